@@ -1,0 +1,184 @@
+"""Which array library tfcore computes with, and the few operations the libraries do not share.
+
+Every op in tfcore is written once against the Python array API standard and asks its
+inputs for their namespace (`namespace(x)`), so the same line of code runs on
+
+* ``numpy``  -- the default, on the CPU;
+* ``cupy``   -- on an NVIDIA GPU (``pip install -e .[gpu]``);
+* ``strict`` -- array-api-strict, a deliberately minimal implementation of the standard.
+  It has no GPU, but it refuses everything outside the standard that NumPy would quietly
+  accept and CuPy might not, so running the op tests on it keeps the CuPy path honest on
+  machines without a GPU.
+
+Choose with the environment variable ``TFCORE_BACKEND`` or with :func:`set_backend`.
+The backend decides where *new* arrays are created (:func:`asarray`, :func:`default_rng`);
+an op always computes where its inputs already live.
+
+The operations the standard leaves out, and which tfcore needs, live here once:
+:func:`erf` (exact GELU), :func:`scatter_add` (embedding backward with repeated ids) and
+:func:`uniform` (dropout masks).
+"""
+from __future__ import annotations
+
+import os
+
+import array_api_compat
+import numpy as np
+
+BACKENDS = ("numpy", "cupy", "strict")
+FLOAT_DTYPES = ("float32", "float64")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine (library or GPU missing)."""
+
+
+def _import_backend(name: str):
+    """Return the array namespace of backend `name`, or raise a clear error."""
+    if name == "numpy":
+        return array_api_compat.array_namespace(np.empty(0))
+    if name == "strict":
+        try:
+            import array_api_strict
+        except ImportError as err:
+            raise BackendUnavailable(
+                "backend 'strict' needs array-api-strict: pip install array-api-strict"
+            ) from err
+        return array_api_strict
+    if name == "cupy":
+        try:
+            import cupy
+        except ImportError as err:
+            raise BackendUnavailable(
+                "backend 'cupy' needs CuPy, which is not installed: pip install -e .[gpu]"
+            ) from err
+        if not cupy.cuda.is_available():
+            raise BackendUnavailable(
+                "backend 'cupy' needs a CUDA GPU, and CuPy sees none on this machine"
+            )
+        return array_api_compat.array_namespace(cupy.empty(0))
+    raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)}")
+
+
+_name: str | None = None
+_xp = None
+
+
+def set_backend(name: str):
+    """Select the backend new arrays are created on; returns its array namespace."""
+    global _name, _xp
+    xp = _import_backend(name)  # raises before changing anything
+    _name, _xp = name, xp
+    return xp
+
+
+def get_backend() -> str:
+    """The name of the selected backend ('numpy' unless TFCORE_BACKEND or set_backend says otherwise)."""
+    if _name is None:
+        set_backend(os.environ.get("TFCORE_BACKEND", "numpy"))
+    return _name
+
+
+def xp():
+    """The array namespace of the selected backend."""
+    get_backend()
+    return _xp
+
+
+def namespace(*arrays):
+    """The array namespace the given arrays live in (None entries are ignored).
+
+    Raises TypeError when they come from different libraries: ops never move data silently.
+    """
+    present = [a for a in arrays if a is not None]
+    try:
+        return array_api_compat.array_namespace(*present)
+    except TypeError as err:
+        kinds = sorted({type(a).__module__ + "." + type(a).__name__ for a in present})
+        raise TypeError(
+            f"inputs must be arrays of one library, got {', '.join(kinds)}; "
+            "move them with tfcore.backend.asarray first"
+        ) from err
+
+
+def is_numpy(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def is_cupy(x) -> bool:
+    return array_api_compat.is_cupy_array(x)
+
+
+def to_numpy(x) -> np.ndarray:
+    """Copy (or view) any backend's array, or a Python number, as a NumPy array on the host."""
+    if isinstance(x, np.ndarray):
+        return x
+    if is_cupy(x):
+        return x.get()
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)
+
+
+def asarray(x, dtype: str | None = None):
+    """Put `x` (a list, a NumPy array, or any backend's array) on the selected backend.
+
+    `dtype` is a name: 'float32', 'float64', 'int64', 'bool', ...
+    """
+    ns = xp()
+    host = to_numpy(x)
+    if dtype is not None:
+        host = host.astype(dtype, copy=False)
+    return ns.asarray(host)
+
+
+def default_rng(seed: int | None = None):
+    """A random generator that creates numbers on the selected backend (used by dropout)."""
+    if get_backend() == "cupy":
+        import cupy
+
+        return cupy.random.default_rng(seed)
+    return np.random.default_rng(seed)
+
+
+def uniform(rng, shape: tuple[int, ...], like):
+    """Uniform numbers in [0, 1) of `shape`, on the same library as the array `like`."""
+    draws = rng.random(shape)
+    if is_numpy(like) or is_cupy(like):
+        return draws
+    return namespace(like).asarray(to_numpy(draws))
+
+
+def erf(x):
+    """The error function, element-wise, on x's own library (not part of the array API)."""
+    if is_numpy(x):
+        from scipy.special import erf as scipy_erf
+
+        return scipy_erf(x)
+    if is_cupy(x):
+        from cupyx.scipy.special import erf as cupy_erf
+
+        return cupy_erf(x)
+    from scipy.special import erf as scipy_erf
+
+    return namespace(x).asarray(scipy_erf(to_numpy(x)))
+
+
+def scatter_add(target, index, values):
+    """target[index[i]] += values[i] along axis 0, correct when `index` repeats; returns target.
+
+    target [R, ...], index [N] integer in [0, R), values [N, ...].
+    NumPy and CuPy update `target` in place; other libraries return a new array, so always
+    use the return value.
+    """
+    if is_numpy(target):
+        np.add.at(target, index, values)
+        return target
+    if is_cupy(target):
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+        return target
+    host = np.array(to_numpy(target))  # writable copy
+    np.add.at(host, to_numpy(index), to_numpy(values))
+    return namespace(target).asarray(host)
