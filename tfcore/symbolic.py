@@ -59,7 +59,7 @@ def assert_equal(name: str, truth: sp.Matrix, closed: sp.Matrix) -> None:
 
 def lambdify(args: list[sp.Matrix], expr: sp.Matrix):
     """A NumPy function of arrays shaped like `args` that evaluates the matrix `expr` (float64)."""
-    fn = sp.lambdify([a.tolist() for a in args], expr, modules="numpy")
+    fn = sp.lambdify([a.tolist() for a in args], expr, modules=["scipy", "numpy"])  # scipy: erf on arrays
     shape = expr.shape
 
     def evaluate(*arrays):
