@@ -40,7 +40,7 @@ def shape(name: str, x, expected: tuple):
     """x.shape equals `expected`; a None entry in `expected` matches any size."""
     got = tuple(x.shape)
     if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
-        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
+        want = "(" + ", ".join("*" if e is None else str(e) for e in expected) + (",)" if len(expected) == 1 else ")")
         raise ValueError(f"{name} must have shape {want}, got {got}")
 
 
@@ -51,11 +51,12 @@ def integer_ids(name: str, ids, high: int, *, allowed: int | None = None):
         raise TypeError(f"{name} must be an integer array, got {dtype_name(ids)}")
     if ids.size == 0:
         return
-    bad = (ids < 0) | (ids >= high)
+    wide = xp.astype(ids, xp.int64)  # uint8 ids cannot even be compared with -100 or 256
+    bad = (wide < 0) | (wide >= high)
     if allowed is not None:
-        bad = bad & (ids != allowed)
+        bad = bad & (wide != allowed)
     if bool(xp.any(bad)):
-        first = int(xp.reshape(ids, (-1,))[int(xp.argmax(xp.astype(xp.reshape(bad, (-1,)), xp.int8)))])
+        first = int(xp.reshape(wide, (-1,))[int(xp.argmax(xp.astype(xp.reshape(bad, (-1,)), xp.int8)))])
         extra = f" (or {allowed} to ignore)" if allowed is not None else ""
         raise ValueError(f"{name} must lie in [0, {high}){extra}, found {first}")
 
