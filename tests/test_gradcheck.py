@@ -8,7 +8,7 @@ import pytest
 
 from tfcore import functional as F
 from tfcore.backend import asarray, namespace, to_numpy
-from tfcore.gradcheck import assert_close, check_gradients, numerical_gradient, random_upstream, rel_error
+from tfcore.gradcheck import assert_close, check_gradients, numerical_gradient, numerical_vjp, random_upstream, rel_error
 
 # --------------------------------------------------------------------------------------
 # rel_error and assert_close
@@ -163,3 +163,13 @@ def test_check_gradients_names_the_first_wrong_tensor(rng):
         check_gradients(forward, {"x": x, "W": W, "b": b}, {"x": dx, "W": np.ones_like(dW), "b": db}, G)
     with pytest.raises(AssertionError, match=re.escape("dx: shape (4, 2) differs from the expected (2, 4)")):
         check_gradients(forward, {"x": x, "W": W, "b": b}, {"x": to_numpy(dx).T}, G)
+
+
+def test_numerical_vjp_is_the_exact_vjp_of_a_linear_map(rng):
+    # For y = x @ W the VJP is G W^T exactly; central differences are exact up to rounding.
+    x, W = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    G = random_upstream((3, 2), rng)
+    numeric = numerical_vjp(lambda x, W: x @ W, {"x": x, "W": W}, "x", G)
+    assert rel_error(numeric, G @ W.T) < 1e-9
+    numeric_W = numerical_vjp(lambda x, W: x @ W, {"x": x, "W": W}, "W", G)
+    assert rel_error(numeric_W, x.T @ G) < 1e-9

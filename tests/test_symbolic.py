@@ -115,3 +115,13 @@ def test_softmax_vjp_closed_form_matches_tfcore():
     expected = sym.lambdify([z, G], closed)(zv, gv)
     sv, cache = F.softmax_forward(zv)
     assert_close("dz", F.softmax_backward(gv, cache), expected)
+
+
+def test_show_typesets_lhs_equals_latex(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    x = sp.Symbol("x")
+    sym.show("y", x**2)
+    assert len(shown) == 1 and shown[0].data == "y = x^{2}"

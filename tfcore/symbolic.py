@@ -5,6 +5,8 @@
    product, one `sympy.diff` per input entry.
 3. `assert_equal` checks that a derived closed form minus that truth simplifies to zero.
 4. `lambdify` turns the closed form into a NumPy function to compare with tfcore.
+
+`show` typesets a result in a notebook.
 """
 from __future__ import annotations
 
@@ -69,3 +71,10 @@ def lambdify(args: list[sp.Matrix], expr: sp.Matrix):
         return np.asarray(fn(*[np.asarray(arr, dtype=np.float64) for arr in arrays]), dtype=np.float64).reshape(shape)
 
     return evaluate
+
+
+def show(lhs: str, expr) -> None:
+    """Typeset "lhs = expr" (a SymPy expression or matrix) in a notebook's output."""
+    from IPython.display import Math, display
+
+    display(Math(lhs + " = " + sp.latex(expr)))
