@@ -299,11 +299,32 @@ def relu_backward(dy, positive):
     return dx
 
 
-_SQRT_2 = math.sqrt(2.0)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
 GELU_APPROXIMATIONS = ("none", "tanh")
+
+# GELU runs on the widest activation of the block ([B, S, D_ff]): its forms below update one
+# buffer in place instead of allocating a temporary per arithmetic operation.
+
+
+def _normal_cdf(x):
+    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, in one new buffer."""
+    cdf = backend.erf(x * _INV_SQRT_2)
+    cdf += 1.0
+    cdf *= 0.5
+    return cdf
+
+
+def _gelu_tanh_t(x):
+    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)), with the argument as sqrt(2/pi) x (1 + 0.044715 x^2)."""
+    u = x * x
+    u *= _GELU_CUBIC
+    u += 1.0
+    u *= x
+    u *= _SQRT_2_OVER_PI
+    return namespace(x).tanh(u)
 
 
 def gelu_forward(x, approximate: str = "none"):
@@ -314,11 +335,14 @@ def gelu_forward(x, approximate: str = "none"):
     x [...]  ->  y [...]; the cache is x.
     """
     checks.float_inputs(x=x)
-    xp = namespace(x)
     if approximate == "none":
-        y = 0.5 * x * (1.0 + backend.erf(x / _SQRT_2))
+        y = _normal_cdf(x)                  # Phi(x)
+        y *= x
     elif approximate == "tanh":
-        y = 0.5 * x * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)))
+        y = _gelu_tanh_t(x)                 # t
+        y += 1.0
+        y *= x
+        y *= 0.5                            # 0.5 x (1 + t)
     else:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     return y, (x, approximate)
@@ -327,18 +351,36 @@ def gelu_forward(x, approximate: str = "none"):
 def gelu_backward(dy, cache):
     """dx = dy * GELU'(x).
 
-    exact: GELU'(x) = Phi(x) + x phi(x), phi the standard normal density
+    exact: GELU'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi) the normal density
     tanh:  0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(...)
+    dy [...]  ->  dx [...]
     """
     x, approximate = cache
     xp = namespace(dy, x)
     if approximate == "none":
-        cdf = 0.5 * (1.0 + backend.erf(x / _SQRT_2))
-        pdf = _INV_SQRT_2PI * xp.exp(-0.5 * x * x)
-        return dy * (cdf + x * pdf)
-    t = xp.tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x))
-    dt = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt)
+        grad = x * x
+        grad *= -0.5
+        grad = xp.exp(grad)
+        grad *= _INV_SQRT_2PI
+        grad *= x                           # x phi(x)
+        grad += _normal_cdf(x)              # Phi(x) + x phi(x)
+    else:
+        t = _gelu_tanh_t(x)
+        du = x * x
+        du *= 3.0 * _GELU_CUBIC
+        du += 1.0
+        du *= _SQRT_2_OVER_PI               # du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+        grad = t * t
+        grad *= -1.0
+        grad += 1.0                         # 1 - t^2
+        grad *= x
+        grad *= du
+        grad *= 0.5                         # 0.5 x (1 - t^2) du/dx
+        t += 1.0
+        t *= 0.5                            # 0.5 (1 + t)
+        grad += t
+    grad *= dy
+    return grad
 
 
 # --------------------------------------------------------------------------------------
