@@ -42,9 +42,9 @@ $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
 	    echo "error: '$(PYTHON) -m venv' failed; on Debian install python3-venv" >&2; exit 1; }
 
-$(STAMP): requirements.txt pyproject.toml | $(BIN)/python
+$(STAMP): requirements.txt constraints.txt pyproject.toml | $(BIN)/python
 	@echo "Installing requirements.txt and tfcore into $(VENV) (about a minute the first time) ..."
-	$(BIN)/python -m pip install --disable-pip-version-check -q -r requirements.txt -e .
+	$(BIN)/python -m pip install --disable-pip-version-check -q -r requirements.txt -c constraints.txt -e .
 	@# Build matplotlib's font cache now, so that no notebook prints it on stderr.
 	$(BIN)/python -c "import matplotlib.pyplot"
 	touch $@
