@@ -37,3 +37,17 @@ def test_every_chapter_is_in_the_table_of_contents():
     listed = set(re.findall(r"file:\s*chapters/(\S+)", toc))
     for path in NOTEBOOKS:
         assert path.stem in listed, f"{path.name} is not listed in _toc.yml, so the book leaves it out"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_chapter_has_the_book_structure(path):
+    # Opens with what it proves, ends with a summary and exercises, and its set-up code
+    # (the first code cell: the imports) is collapsed so the derivation reads first.
+    cells = json.loads(path.read_text())["cells"]
+    markdown = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+    assert markdown and markdown[0].startswith("# "), f"{path.name}: the first cell must be the chapter's title"
+    assert "What this chapter proves" in markdown[0], f"{path.name}: the first cell must say what the chapter proves"
+    headings = [line for text in markdown for line in text.splitlines() if line.startswith("## ")]
+    assert headings[-2:] == ["## Summary", "## Exercises"], f"{path.name}: must end with Summary and Exercises, ends with {headings[-2:]}"
+    first_code = next(c for c in cells if c["cell_type"] == "code")
+    assert "hide-input" in first_code.get("metadata", {}).get("tags", []), f"{path.name}: the set-up cell is not collapsed (tag hide-input)"
