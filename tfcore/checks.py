@@ -51,7 +51,7 @@ def integer_ids(name: str, ids, high: int, *, allowed: int | None = None):
         raise TypeError(f"{name} must be an integer array, got {dtype_name(ids)}")
     if ids.size == 0:
         return
-    wide = xp.astype(ids, xp.int64)  # uint8 ids cannot even be compared with -100 or 256
+    wide = xp.astype(ids, xp.int64, copy=False)  # uint8 ids cannot even be compared with -100 or 256
     bad = (wide < 0) | (wide >= high)
     if allowed is not None:
         bad = bad & (wide != allowed)

@@ -235,7 +235,7 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     checks.integer_ids("labels", labels, vocab, allowed=ignore_index)
     xp = namespace(logits, labels)
     z = _flat_rows(logits, vocab)                                       # [N, V]
-    y = xp.astype(xp.reshape(labels, (-1,)), xp.int64)                  # [N]; wide enough for ignore_index
+    y = xp.astype(xp.reshape(labels, (-1,)), xp.int64, copy=False)      # [N]; wide enough for ignore_index
     valid = y != ignore_index                                           # [N]
     n_valid = int(xp.sum(xp.astype(valid, xp.int64)))
     safe = xp.where(valid, y, xp.zeros_like(y))                         # an ignored row points at class 0, then is zeroed
