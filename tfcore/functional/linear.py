@@ -1,0 +1,40 @@
+"""Linear layer (chapter 2): forward/backward pairs."""
+from __future__ import annotations
+
+from .. import checks
+from ..backend import namespace
+from ._common import _flat_rows
+
+
+def linear_forward(x, W, b=None):
+    """y = x @ W + b.
+
+    x [..., D_in], W [D_in, D_out], b [D_out] or None  ->  y [..., D_out]
+    """
+    checks.float_inputs(x=x, W=W, b=b)
+    checks.ndim("W", W, 2)
+    checks.min_ndim("x", x, 1)
+    d_in, d_out = W.shape
+    checks.shape("x", x, (None,) * (x.ndim - 1) + (d_in,))
+    if b is not None:
+        checks.shape("b", b, (d_out,))
+    xp = namespace(x, W, b)
+    y = xp.reshape(_flat_rows(x, d_in) @ W, tuple(x.shape[:-1]) + (d_out,))  # one GEMM [N, D_in] @ [D_in, D_out]
+    if b is not None:
+        y += b
+    return y, (x, W, b is not None)
+
+
+def linear_backward(dy, cache):
+    """dx = dy W^T;  dW = sum over all rows of x^T dy;  db = sum over all rows of dy.
+
+    dy [..., D_out]  ->  dx [..., D_in], dW [D_in, D_out], db [D_out] (None without bias)
+    """
+    x, W, has_bias = cache
+    d_in, d_out = W.shape
+    xp = namespace(dy, W)
+    dy_rows = _flat_rows(dy, d_out)                                    # [N, D_out]
+    dx = xp.reshape(dy_rows @ W.T, tuple(x.shape))                    # [N, D_in] -> [..., D_in]
+    dW = _flat_rows(x, d_in).T @ dy_rows                              # [D_in, N] @ [N, D_out]
+    db = xp.sum(dy_rows, axis=0) if has_bias else None                # [D_out]
+    return dx, dW, db

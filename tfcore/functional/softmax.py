@@ -1,0 +1,136 @@
+"""Softmax, log-softmax and the losses (chapter 3): forward/backward pairs."""
+from __future__ import annotations
+
+import math
+
+from .. import backend, checks
+from ..backend import namespace
+from ._common import _flat_rows
+
+
+def causal_mask(length: int, dtype: str = "float64"):
+    """The additive causal mask, 0 on and below the diagonal and -inf above it.
+
+    -> mask [length, length]; one table broadcast over batch and heads, never one per batch.
+    """
+    xp = backend.xp()
+    rows = xp.arange(length)[:, None]
+    cols = xp.arange(length)[None, :]
+    return xp.where(cols > rows, xp.asarray(-math.inf, dtype=getattr(xp, dtype)), xp.asarray(0.0, dtype=getattr(xp, dtype)))
+
+
+def _check_mask(mask, z):
+    checks.float_inputs(z=z, mask=mask)
+    xp = namespace(mask)
+    if bool(xp.any(xp.isnan(mask) | (mask == math.inf))):
+        raise ValueError("mask must be additive: 0 (or any finite value) keeps an entry, -inf masks it; found nan or +inf")
+    try:
+        xp.broadcast_to(mask, tuple(z.shape))
+    except ValueError as err:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {tuple(z.shape)}") from err
+    if bool(xp.any(xp.all(mask == -math.inf, axis=-1))):
+        raise ValueError("every row of the mask must keep at least one entry; a fully masked row has no softmax")
+
+
+def softmax_forward(z, mask=None):
+    """s = softmax(z + mask) along the last axis, shifted by the row maximum so exp never overflows.
+
+    z [..., K]; mask (optional) broadcastable to z: 0 keeps, -inf masks  ->  s [..., K]
+    """
+    checks.float_inputs(z=z)
+    xp = namespace(z, mask)
+    if mask is not None:
+        _check_mask(mask, z)
+        z = z + mask
+    e = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
+    e /= xp.sum(e, axis=-1, keepdims=True)
+    return e, e
+
+
+def softmax_backward(ds, s):
+    """dz = s * (ds - sum(ds * s)) row by row: the VJP with the Jacobian diag(s) - s s^T.
+
+    ds [..., K], cache s [..., K]  ->  dz [..., K]  (masked entries get 0 because s is 0 there)
+    """
+    xp = namespace(ds, s)
+    return s * (ds - xp.sum(ds * s, axis=-1, keepdims=True))
+
+
+def log_softmax_forward(z):
+    """y = z - logsumexp(z) along the last axis, computed as (z - m) - log(sum(exp(z - m))).
+
+    z [..., K]  ->  y [..., K]
+    """
+    checks.float_inputs(z=z)
+    xp = namespace(z)
+    shifted = z - xp.max(z, axis=-1, keepdims=True)
+    y = shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+    return y, y
+
+
+def log_softmax_backward(dy, y):
+    """dz = dy - softmax(z) * sum(dy), with softmax(z) = exp(y).
+
+    dy [..., K], cache y [..., K]  ->  dz [..., K]
+    """
+    xp = namespace(dy, y)
+    return dy - xp.exp(y) * xp.sum(dy, axis=-1, keepdims=True)
+
+
+def cross_entropy_forward(logits, labels, ignore_index: int = -100):
+    """Mean negative log-likelihood of integer labels under softmax(logits), fused with the softmax.
+
+    logits [..., V] float; labels [...] integers in [0, V) or equal to ignore_index
+    ->  loss [] (a 0-d array): the mean over the N_valid labels that are not ignored.
+    With every label ignored there is nothing to average: the loss is 0 and so is the gradient.
+    """
+    checks.float_inputs(logits=logits)
+    checks.min_ndim("logits", logits, 1)
+    vocab = logits.shape[-1]
+    checks.shape("labels", labels, tuple(logits.shape[:-1]))
+    checks.integer_ids("labels", labels, vocab, allowed=ignore_index)
+    xp = namespace(logits, labels)
+    z = _flat_rows(logits, vocab)                                       # [N, V]
+    y = xp.astype(xp.reshape(labels, (-1,)), xp.int64, copy=False)      # [N]; wide enough for ignore_index
+    valid = y != ignore_index                                           # [N]
+    n_valid = int(xp.sum(xp.astype(valid, xp.int64)))
+    safe = xp.where(valid, y, xp.zeros_like(y))                         # an ignored row points at class 0, then is zeroed
+    shifted = z - xp.max(z, axis=-1, keepdims=True)                     # [N, V]
+    probs = xp.exp(shifted)
+    sum_exp = xp.sum(probs, axis=-1)                                    # [N]
+    probs /= sum_exp[:, None]
+    picked = xp.take_along_axis(shifted, safe[:, None], axis=-1)[:, 0]  # z[n, y_n] - m_n
+    nll = xp.where(valid, xp.log(sum_exp) - picked, xp.zeros_like(picked))
+    loss = xp.sum(nll) / max(n_valid, 1)
+    return loss, (probs, safe, valid, n_valid, tuple(logits.shape))
+
+
+def cross_entropy_backward(dloss, cache):
+    """dlogits = dloss * (softmax(logits) - onehot(labels)) / N_valid on kept rows, 0 on ignored rows.
+
+    dloss a scalar (1.0 when the loss is the final output)  ->  dlogits [..., V]
+    """
+    probs, safe, valid, n_valid, shape = cache
+    xp = namespace(probs)
+    n_rows, vocab = probs.shape
+    weight = xp.astype(valid, probs.dtype) * (float(dloss) / max(n_valid, 1))   # [N]
+    dz = probs * weight[:, None]                                                # [N, V]
+    flat = backend.scatter_add(xp.reshape(dz, (-1,)), xp.arange(n_rows) * vocab + safe, -weight)
+    return xp.reshape(flat, shape)
+
+
+def mse_forward(pred, target):
+    """loss = mean((pred - target)^2) over every element.
+
+    pred [...], target [...] of the same shape  ->  loss []
+    """
+    checks.float_inputs(pred=pred, target=target)
+    checks.shape("target", target, tuple(pred.shape))
+    xp = namespace(pred, target)
+    diff = pred - target
+    return xp.sum(diff * diff) / math.prod(diff.shape), diff
+
+
+def mse_backward(dloss, diff):
+    """dpred = dloss * 2 (pred - target) / (number of elements).   ->  dpred [...]"""
+    return diff * (2.0 * float(dloss) / math.prod(diff.shape))
