@@ -235,14 +235,14 @@ def test_dropout_missing_rng():
 
 @pytest.mark.parametrize("eps", [0.0, -1e-5])
 def test_nonpositive_eps(eps):
-    with pytest.raises(ValueError, match=m(f"eps must be positive and finite, got {eps}")):
+    with pytest.raises(ValueError, match=m(f"eps must be positive, got {eps}")):
         F.layernorm_forward(a((2, 4)), a((4,)), a((4,)), eps=eps)
-    with pytest.raises(ValueError, match=m(f"eps must be positive and finite, got {eps}")):
+    with pytest.raises(ValueError, match=m(f"eps must be positive, got {eps}")):
         F.rmsnorm_forward(a((2, 4)), a((4,)), eps=eps)
 
 
 def test_nan_eps():
-    with pytest.raises(ValueError, match=m("eps must be positive and finite, got nan")):
+    with pytest.raises(ValueError, match=m("eps must be positive, got nan")):
         F.layernorm_forward(a((2, 4)), a((4,)), a((4,)), eps=float("nan"))
 
 

@@ -150,8 +150,10 @@ def real(name: str, value) -> float:
 def positive(name: str, value) -> float:
     """A finite number > 0 (an eps, a base): inf and nan are rejected too."""
     value = real(name, value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 

@@ -18,7 +18,12 @@ def relu_backward(dy, cache):
     positive, dtype = cache
     checks.upstream("dy", dy, tuple(positive.shape), dtype, namespace(positive))
     xp = namespace(dy)
-    return xp.where(positive, dy, xp.zeros((), dtype=dy.dtype))
+    dx = xp.astype(positive, dy.dtype)  # a multiply by the 0/1 mask is several times faster than where()
+    dx *= dy
+    # ... but 0 * inf and 0 * nan are nan: only then (one sum tells) take the exact, slower where()
+    if bool(xp.isnan(xp.sum(dx))):
+        dx = xp.where(positive, dy, xp.zeros((), dtype=dy.dtype))
+    return dx
 
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
