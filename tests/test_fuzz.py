@@ -61,6 +61,7 @@ class Spec:
     backward: Callable | None = None        # the op's backward; None for plain functions
     pair: bool = True                       # the forward returns (out, cache)
     scalar_loss: bool = False               # the backward takes a scalar upstream gradient
+    any_dtype: bool = False                 # a layout op: integer, bool, float16 arrays are fine
     check: Callable[[dict, np.ndarray], None] | None = None
 
     def assert_correct(self, inputs, out):
@@ -327,13 +328,13 @@ BAD_HEADS = [0, -2, 2.5, True, 3, "2", None]
 @spec("split_heads")
 def _split_heads():
     return Spec(lambda rng: dict(x=rows(rng, width=8), n_heads=2),
-                lambda i: _split(i["x"], i["n_heads"]), floats=("x",), pair=False,
+                lambda i: _split(i["x"], i["n_heads"]), any_dtype=True, floats=("x",), pair=False,
                 settings=dict(n_heads=BAD_HEADS))
 
 
 @spec("merge_heads")
 def _merge_heads():
-    return Spec(lambda rng: dict(x=_heads(rng)), lambda i: _merge(i["x"]), floats=("x",),
+    return Spec(lambda rng: dict(x=_heads(rng)), lambda i: _merge(i["x"]), any_dtype=True, floats=("x",),
                 pair=False)
 
 
@@ -344,7 +345,7 @@ def _qkv_split():
         return tuple(_split(i["qkv"][..., j * d:(j + 1) * d], i["n_heads"]) for j in range(3))
 
     return Spec(lambda rng: dict(qkv=rows(rng, width=12), n_heads=2), reference,
-                floats=("qkv",), pair=False, settings=dict(n_heads=BAD_HEADS))
+                any_dtype=True, floats=("qkv",), pair=False, settings=dict(n_heads=BAD_HEADS))
 
 
 @spec("qkv_merge_grads")
@@ -354,7 +355,7 @@ def _qkv_merge_grads():
         return dict(dq=dq, dk=rng.standard_normal(dq.shape), dv=rng.standard_normal(dq.shape))
 
     return Spec(inputs, lambda i: np.concatenate([_merge(i[k]) for k in ("dq", "dk", "dv")], -1),
-                floats=("dq", "dk", "dv"), pair=False)
+                any_dtype=True, floats=("dq", "dk", "dv"), pair=False)
 
 
 @spec("attention_forward")
@@ -436,7 +437,7 @@ def _transposed(host):
     return xp.permute_dims(asarray(np.ascontiguousarray(np.transpose(host))), axes)
 
 
-def float_classes(host):
+def float_classes(host, any_dtype=False):
     """(class name, bad value, what it must give, NumPy float64 value or None) for a float array.
 
     'error' must raise naming the argument; 'shape' may raise naming any argument; 'either'
@@ -446,9 +447,13 @@ def float_classes(host):
         ("list", host.tolist(), "error", None),
         ("tuple", tuple(np.atleast_1d(host).tolist()), "error", None),
         ("python number", 0.5, "error", None),
-        ("int64 array", asarray(np.round(np.nan_to_num(host, neginf=-1.0, posinf=1.0)), "int64"), "error", None),
-        ("bool array", asarray(host > 0, "bool"), "error", None),
-        ("float16 array", np.asarray(host, np.float16), "error", None),
+        ("int64 array", asarray(np.round(np.nan_to_num(host, neginf=-1.0, posinf=1.0)), "int64"),
+         *(("either", np.round(np.nan_to_num(host, neginf=-1.0, posinf=1.0))) if any_dtype
+           else ("error", None))),
+        ("bool array", asarray(host > 0, "bool"),
+         *(("either", (host > 0).astype(float)) if any_dtype else ("error", None))),
+        ("float16 array", np.asarray(host, np.float16),
+         *(("either", host.astype(np.float16).astype(float)) if any_dtype else ("error", None))),
         ("masked array", np.ma.masked_array(host, mask=np.zeros(host.shape, bool)), "error", None),
         ("float32", asarray(host, "float32"), "either", host.astype(np.float32).astype(np.float64)),
         ("other library", _foreign(host), "either", host),
@@ -564,7 +569,7 @@ def _cases(op):
     s = SPECS[op]()
     valid = s.inputs(np.random.default_rng(zlib.crc32(op.encode())))
     for arg in s.floats:
-        for case in float_classes(valid[arg]):
+        for case in float_classes(valid[arg], s.any_dtype):
             yield arg, *case
     for arg in s.ids:
         high = valid["W"].shape[0] if "W" in valid else valid["logits"].shape[-1]
