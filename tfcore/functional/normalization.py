@@ -16,7 +16,7 @@ def _check_finite(name, x):
 
 
 def _scaled_rows(x):
-    """x / s with s = max |x| per row (1 for an all-zero row): [..., D] -> ([..., D], s [..., 1])."""
+    """x / s, s = max |x| per row (1 for an all-zero row): [..., D] -> ([..., D], s [..., 1])."""
     xp = namespace(x)
     s = xp.max(xp.abs(x), axis=-1, keepdims=True)
     s = xp.where(s > 0, s, xp.ones((), dtype=x.dtype))
