@@ -19,7 +19,8 @@ def relu_backward(dy, cache):
     checks.upstream("dy", dy, tuple(positive.shape), dtype, namespace(positive))
     xp = namespace(dy)
     dx = xp.astype(positive, dy.dtype)  # multiplying by the 0/1 mask is much faster than where()
-    dx *= dy
+    with backend.expected_overflow():
+        dx *= dy
     # ... but 0 * inf and 0 * nan are nan: only then (one sum tells) take the exact, slower where()
     if bool(xp.isnan(xp.sum(dx))):
         dx = xp.where(positive, dy, xp.zeros((), dtype=dy.dtype))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .. import checks
+from .. import backend, checks
 from ..backend import namespace
 from ._common import _sum_over_leading
 
@@ -39,8 +39,9 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
     width = checks.width("x", x, "D")
     checks.shape("gamma", gamma, (width,))
     checks.shape("beta", beta, (width,))
-    centered = x - xp.mean(x, axis=-1, keepdims=True)
-    var = xp.mean(centered * centered, axis=-1, keepdims=True)                  # [..., 1]
+    with backend.expected_overflow():                                           # repaired below
+        centered = x - xp.mean(x, axis=-1, keepdims=True)
+        var = xp.mean(centered * centered, axis=-1, keepdims=True)              # [..., 1]
     if bool(xp.all(xp.isfinite(var))):
         rstd = 1.0 / xp.sqrt(var + eps)                                         # [..., 1]
         xhat = centered * rstd
@@ -48,7 +49,8 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
         _check_finite("x", x)
         xs, s = _scaled_rows(x)                                                 # x = s * xs
         cs = xs - xp.mean(xs, axis=-1, keepdims=True)
-        t = xp.mean(cs * cs, axis=-1, keepdims=True) + eps / (s * s)            # (var + eps) / s^2
+        with backend.expected_overflow():                                       # s * s may be inf
+            t = xp.mean(cs * cs, axis=-1, keepdims=True) + eps / (s * s)        # (var + eps) / s^2
         positive = t > 0                # t == 0 only for a constant row whose eps / s^2 underflows
         t = xp.where(positive, t, xp.ones((), dtype=x.dtype))
         xhat = cs / xp.sqrt(t)                                                  # 0 on such a row
@@ -81,14 +83,16 @@ def rmsnorm_forward(x, gain, eps: float = 1e-6):
     xp = checks.float_inputs(x=x, gain=gain)
     eps = checks.positive("eps", eps)
     checks.shape("gain", gain, (checks.width("x", x, "D"),))
-    mean_square = xp.mean(x * x, axis=-1, keepdims=True)                        # [..., 1]
+    with backend.expected_overflow():                                           # repaired below
+        mean_square = xp.mean(x * x, axis=-1, keepdims=True)                    # [..., 1]
     if bool(xp.all(xp.isfinite(mean_square))):
         rrms = 1.0 / xp.sqrt(mean_square + eps)                                 # [..., 1]
         xhat = x * rrms
     else:
         _check_finite("x", x)
         xs, s = _scaled_rows(x)
-        t = xp.mean(xs * xs, axis=-1, keepdims=True) + eps / (s * s)  # > 0: some |xs| is 1
+        with backend.expected_overflow():
+            t = xp.mean(xs * xs, axis=-1, keepdims=True) + eps / (s * s)  # > 0: some |xs| is 1
         xhat = xs / xp.sqrt(t)
         rrms = (1.0 / s) / xp.sqrt(t)
     return xhat * gain, (xhat, rrms, gain)
