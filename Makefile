@@ -28,11 +28,12 @@ BOOK_SOURCES := index.md _config.yml _toc.yml references.bib chapters book/mathj
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: book test setup chromium clean help
+.PHONY: book pdf test setup chromium clean help
 
 help:
 	@echo "make book   set up .venv and build the book into _build/html/"
 	@echo "make test   set up, build the book and run every test (unit, notebooks, browser)"
+	@echo "make pdf    set up, build, and print the whole book to _build/pdf/book.pdf"
 	@echo "make clean  remove _build/ (keeps .venv)"
 
 setup: $(STAMP)
@@ -57,10 +58,22 @@ $(BOOK_OK): $(STAMP) $(BOOK_SOURCES)
 	$(BIN)/jupyter-book build -W -n --keep-going .
 	touch $@
 
+# The whole book as one PDF: the single-page HTML build, printed by headless chromium with
+# every equation typeset (tools/print_pdf.py). Rebuilt whenever the HTML book was.
+PDF := _build/pdf/book.pdf
+
+pdf: $(PDF)
+	@echo "The PDF is $(PDF)."
+
+$(PDF): $(BOOK_OK) | chromium
+	rm -rf _build/singlehtml
+	$(BIN)/jupyter-book build -W -n --keep-going --builder singlehtml . >/dev/null
+	$(BIN)/python tools/print_pdf.py _build/singlehtml $@
+
 chromium:
 	@bash tools/install-chromium.sh
 
-test: book chromium
+test: book pdf chromium
 	$(BIN)/python -m pytest tests chapters \
 	    --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	    -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
