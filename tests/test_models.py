@@ -12,7 +12,7 @@ import pytest
 from tfcore import backend
 from tfcore.backend import asarray, to_numpy
 from tfcore.gradcheck import assert_close
-from tfcore.models import DecoderConfig, DecoderLM, sample_next
+from tfcore.models import DecoderConfig, DecoderLM, sample_next, swiglu_width
 
 from _model_checks import directional_errors, randomize
 
@@ -389,3 +389,18 @@ def test_blocks_without_residuals_have_correct_gradients(placement, rng):
     with_skips = DecoderLM(tiny(norm_placement=placement))
     with_skips.params.load_flat(model.params.data)
     assert float(with_skips.forward(ids, targets)[1]) != float(loss_fn())
+
+
+def test_config_round_trip_and_decay_mask():
+    cfg = tiny(position="rotary", tied_head=False, mlp="swiglu")
+    again = DecoderConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.d_ff == swiglu_width(D)
+    with pytest.raises(ValueError, match=r"unknown DecoderConfig field\(s\): \['colour'\]"):
+        DecoderConfig.from_dict({**cfg.to_dict(), "colour": "red"})
+    model = DecoderLM(cfg)
+    mask = to_numpy(model.params.decay_mask())
+    for name in model.params.names:
+        start, stop = model.params.offsets[name]
+        decayed = name.endswith(".W")             # qkv, proj, fc, gate, head: not wte, gains
+        assert np.all(mask[start:stop] == float(decayed)), name
+    assert "wte" in model.params.names and not np.any(mask[:V * D])
