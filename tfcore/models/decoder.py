@@ -19,8 +19,7 @@ KV cache (`KVCache`); its logits equal the uncached forward's.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
