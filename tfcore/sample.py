@@ -26,8 +26,8 @@ def load_model(path) -> tuple[DecoderLM, object]:
     if layout != model.params.layout():
         raise CheckpointError(f"{path}: the saved parameter layout does not match its config")
     model.params.load_flat(arrays["params"])
-    chars = meta["tokenizer"] or data.DigitTask.VOCAB
-    return model, data.CharTokenizer(chars) if meta["tokenizer"] else _DigitTokenizer()
+    tokenizer = data.CharTokenizer(meta["tokenizer"]) if meta["tokenizer"] else _DigitTokenizer()
+    return model, tokenizer
 
 
 class _DigitTokenizer:

@@ -415,6 +415,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except (CheckpointError, ConfigMismatch) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(argv) -> int:
     args = _parser().parse_args(argv)
     if args.backend:
         backend.set_backend(args.backend)
