@@ -21,7 +21,7 @@ STAMP  := $(VENV)/.installed
 # that adding or removing a page counts), and then always from scratch: an incremental
 # Sphinx build forgets the warnings of unchanged pages and keeps pages that were removed.
 BOOK_OK := _build/html/.book-ok
-BOOK_SOURCES := index.md _config.yml _toc.yml references.bib chapters book \
+BOOK_SOURCES := index.md _config.yml _toc.yml references.bib chapters book/mathjax \
     $(shell find chapters book -type f -not -path '*/.ipynb_checkpoints/*' 2>/dev/null)
 
 # pytest-xdist: notebooks are distributed whole (one kernel per notebook) over 2 workers.
