@@ -99,8 +99,9 @@ FREE_FIELDS = ("out_dir", "eval_interval", "eval_batches", "checkpoint_interval"
 PRESETS = {
     # The Training chapter's run: a few seconds on 2 cores.
     "shakespeare-tiny": dict(task="shakespeare", seq_len=32, d_model=48, n_layers=2,
-                             n_heads=4, steps=200, batch_size=16, lr=1e-2, min_lr=1e-3,
-                             warmup_steps=10, dtype="float64", eval_interval=50),
+                             n_heads=4, mlp="relu", steps=400, batch_size=16, lr=1e-2,
+                             min_lr=1e-3, warmup_steps=10, dtype="float64",
+                             eval_interval=100),
     # Seed 002's experiment: its post-norm encoder reconstructing a fixed set of 16 sequences
     # [16, 16, 64] with seed 002's Adam (lr 1e-3, constant), full batch: a step is an epoch.
     "seed002": dict(task="autoencoder", seq_len=16, batch_size=16, d_model=64, n_heads=4,
