@@ -116,8 +116,6 @@ def gelu_backward(dy, cache):
 # --------------------------------------------------------------------------------------
 # SiLU and SwiGLU (the gated feed-forward of a Llama-style block)
 
-from ._upstream import check_upstream  # noqa: E402  (kept beside the ops that use it)
-
 
 def _sigmoid(x):
     """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x| <= 0.
@@ -142,10 +140,10 @@ def _silu_derivative(x, sig):
 
 def silu_forward(x):
     """silu(x) = x * sigmoid(x) (also called swish).   x [...]  ->  y [...]; the cache is x."""
-    checks.float_inputs(x=x)
+    xp = checks.float_inputs(x=x)
     y = _sigmoid(x)
     y *= x
-    return y, (x, tuple(y.shape), checks.dtype_name(y))
+    return y, (x, (tuple(y.shape), y.dtype, xp))
 
 
 def silu_backward(dy, cache):
@@ -153,8 +151,8 @@ def silu_backward(dy, cache):
 
     dy [...]  ->  dx [...]
     """
-    x, shape, dtype = cache
-    check_upstream("dy", dy, shape, dtype, x)
+    x, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
     grad = _silu_derivative(x, _sigmoid(x))
     grad *= dy
     return grad
@@ -165,12 +163,12 @@ def swiglu_forward(a, b):
 
     a [..., F], b [..., F]  ->  y [..., F]; the cache is (a, b).
     """
-    checks.float_inputs(a=a, b=b)
+    xp = checks.float_inputs(a=a, b=b)
     checks.shape("b", b, tuple(a.shape))
     y = _sigmoid(a)
     y *= a
     y *= b
-    return y, (a, b, tuple(y.shape), checks.dtype_name(y))
+    return y, (a, b, (tuple(y.shape), y.dtype, xp))
 
 
 def swiglu_backward(dy, cache):
@@ -178,8 +176,8 @@ def swiglu_backward(dy, cache):
 
     dy [..., F]  ->  da [..., F], db [..., F]
     """
-    a, b, shape, dtype = cache
-    check_upstream("dy", dy, shape, dtype, a)
+    a, b, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
     sig = _sigmoid(a)
     db = sig * a
     db *= dy                        # dy * silu(a)
