@@ -10,9 +10,12 @@ One test per HTML file of _build/html, so that a failure names the page. A page 
   #fragment must be the id of an element of the target page,
 * any MathJax error, and any math that was not typeset: after MathJax.startup.promise every
   element of class "math" holds an <mjx-container>, and no raw TeX delimiter (\\( \\) \\[ \\] $$)
-  is left in the visible text outside code.
+  is left in the visible text outside code,
+* any display equation, table, code block or printed output wider than the text column at a
+  1280 px window (content a reader would have to scroll sideways to see), and, at a 400 px
+  window, anything wider than its box that is cut instead of scrolling.
 
-Every page of the build is opened, genindex.html and search.html included: both are plain
+Every page of the build is opened, search.html included: both are plain
 local pages (search.html loads searchindex.js from the build).
 
 Build the book first (`make book`); `make test` does both.
@@ -110,6 +113,61 @@ async () => {
 """
 
 
+# Runs in the page after MathJax: every display equation, table, code block and printed output
+# must fit the text column. `strict` (the 1280 px check) fails on anything wider than its
+# column, scrollbar or not; otherwise (the 400 px check) only content cut off without a
+# scrollbar fails. Each entry names the element by its text (the TeX of an equation).
+_OVERFLOW_JS = r"""
+(strict) => {
+  const article = document.querySelector("article.bd-article") || document.body;
+  const column = article.clientWidth - parseFloat(getComputedStyle(article).paddingLeft)
+                                     - parseFloat(getComputedStyle(article).paddingRight);
+  const tex = new Map();
+  if (window.MathJax && MathJax.startup && MathJax.startup.document) {
+    for (const item of MathJax.startup.document.getMathItemsWithin(document.body)) {
+      if (item.typesetRoot) tex.set(item.typesetRoot, item.math);
+    }
+  }
+  const describe = (el) => (tex.get(el) || el.textContent || "").replace(/\s+/g, " ").trim().slice(0, 70);
+  const scrolls = (el) => {
+    for (let e = el; e && e !== article; e = e.parentElement) {
+      const o = getComputedStyle(e).overflowX;
+      if ((o === "auto" || o === "scroll") && e.scrollWidth > e.clientWidth) return true;
+    }
+    return false;
+  };
+  const kinds = [["display equation", 'mjx-container[display="true"]'], ["table", "table"],
+                 ["code block", "div.highlight pre"], ["printed output", ".cell_output pre"]];
+  const problems = [];
+  for (const d of article.querySelectorAll("details")) d.open = true;  // collapsed cells count too
+  for (const [kind, selector] of kinds) {
+    for (const el of article.querySelectorAll(selector)) {
+      const width = Math.max(el.scrollWidth, el.getBoundingClientRect().width);
+      const wide = width > Math.min(column, el.parentElement.clientWidth) + 1;
+      if (wide && (strict || !scrolls(el))) {
+        problems.push(`${kind} ${Math.round(width)} px wide in a ${Math.round(column)} px column`
+                      + (strict ? "" : " and cut without a scrollbar") + `: ${JSON.stringify(describe(el))}`);
+      }
+    }
+  }
+  if (document.documentElement.scrollWidth > window.innerWidth + 1) {
+    problems.push(`the page itself is ${document.documentElement.scrollWidth} px wide in a ${window.innerWidth} px window`);
+  }
+  return problems;
+}
+"""
+
+
+def _overflow_problems(page) -> list[str]:
+    """What does not fit at 1280 px, and what is cut at 400 px (the viewport is restored)."""
+    problems = [f"at 1280 px: {p}" for p in page.evaluate(_OVERFLOW_JS, True)]
+    page.set_viewport_size({"width": 400, "height": 900})
+    page.wait_for_timeout(100)  # one layout pass
+    problems += [f"at 400 px: {p}" for p in page.evaluate(_OVERFLOW_JS, False)]
+    page.set_viewport_size({"width": 1280, "height": 900})
+    return problems
+
+
 def _check_links(page_rel: str, base_url: str, links: list[dict], live_ids: set[str]) -> list[str]:
     """Every link into the build points to an existing file and, with a fragment, to an existing id."""
     problems = []
@@ -181,6 +239,7 @@ def test_page(page_rel, book_server, browser_context):
         assert response is not None and response.ok, f"{page_rel}: HTTP {response and response.status}"
         state = page.evaluate(_INSPECT_JS)
         page.wait_for_load_state("networkidle", timeout=10_000)
+        problems += _overflow_problems(page)
     finally:
         page.close()
 
@@ -197,3 +256,38 @@ def test_page(page_rel, book_server, browser_context):
         problems.append(f"raw TeX {raw} left in the visible text, e.g. {sample!r}")
 
     assert not problems, f"{page_rel}:\n  " + "\n  ".join(problems)
+
+
+# The overflow check itself, shown failing: a deliberately wide equation, code line and table
+# are added to a real page of the build, and each must be reported.
+_PLANT_JS = r"""
+async () => {
+  const article = document.querySelector("article.bd-article");
+  const math = document.createElement("div");
+  math.className = "math notranslate nohighlight";
+  math.textContent = "\\[" + Array.from({length: 60}, (_, i) => `x_{${i}}`).join(" + ") + "\\]";
+  const code = document.createElement("div");
+  code.className = "highlight";
+  code.innerHTML = "<pre>" + "planted_wide_code_line = 1; ".repeat(12) + "</pre>";
+  const table = document.createElement("table");
+  table.innerHTML = "<tr>" + "<td>planted&nbsp;wide&nbsp;table&nbsp;cell</td>".repeat(12) + "</tr>";
+  article.append(math, code, table);
+  await MathJax.typesetPromise([math]);
+}
+"""
+
+
+def test_overflow_check_reports_planted_wide_content(book_server, browser_context):
+    page = browser_context.new_page()
+    try:
+        page.goto(book_server + "index.html", wait_until="load")
+        page.evaluate("async () => { await MathJax.startup.promise; }")
+        assert page.evaluate(_OVERFLOW_JS, True) == [], "index.html must fit before planting"
+        page.evaluate(_PLANT_JS)
+        problems = _overflow_problems(page)
+    finally:
+        page.close()
+    wide = [p for p in problems if p.startswith("at 1280 px")]
+    assert any("display equation" in p and "x_{0} + x_{1}" in p for p in wide), problems
+    assert any("code block" in p and "planted_wide_code_line" in p for p in wide), problems
+    assert any(p.startswith("at 1280 px: table") and "planted" in p for p in wide), problems
