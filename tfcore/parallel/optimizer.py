@@ -42,14 +42,18 @@ class DataParallelAdamW:
 
     def reduce_gradients(self):
         """Replicated mode: params.grad <- sum over dp of params.grad (in place)."""
-        self.params.grad[...] = self.dp.all_reduce(self.params.grad)
+        if self.zero:
+            raise RuntimeError("with ZeRO-1 the gradients are reduce-scattered inside step()")
+        if self.dp.size > 1:
+            self.params.grad[...] = self.dp.all_reduce(self.params.grad)
 
-    def step(self):
-        """Reduce the gradients over dp, update, and (ZeRO) gather the parameters."""
+    def step(self, reduced: bool = False):
+        """Reduce the gradients over dp (unless `reduced`: reduce_gradients() ran already),
+        update, and (ZeRO) gather the parameters."""
         self.t += 1
         p = self.params
         if not self.zero:
-            if self.dp.size > 1:
+            if not reduced:
                 self.reduce_gradients()
             adamw_update(p.data, p.grad, self.m, self.v, self.t, decay_mask=self.mask,
                          **self.hyper)

@@ -3,6 +3,7 @@ initial parameters, the same AdamW, so the two can be compared number for number
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -37,6 +38,14 @@ def make_batches(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
     return ids[:, :, :-1], targets
 
 
+def _dropout(config, seed, step):
+    """Training mode with a generator seeded per step (the same on every rank) when the
+    config has dropout: a sharded run draws the whole tensors and keeps its blocks."""
+    if config.dropout == 0:
+        return {}
+    return dict(training=True, rng=backend.default_rng(10_000 * seed + step))
+
+
 def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: int = 0,
                  hyper=None):
     """One device: -> dict(losses, params (host float64 [P]), grads (of the last step))."""
@@ -49,7 +58,8 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
     losses = []
     for t in range(steps):
         p.zero_grad()
-        _, loss = model.forward(backend.asarray(ids[t]), backend.asarray(targets[t]))
+        _, loss = model.forward(backend.asarray(ids[t]), backend.asarray(targets[t]),
+                                **_dropout(config, seed, t))
         losses.append(float(loss))
         model.backward()
         grads = np.array(backend.to_numpy(p.grad), copy=True)
@@ -73,35 +83,25 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     ids, targets = make_batches(config, steps, batch, seq, seed)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
-    losses, grads, step_calls = [], None, []
+    losses, grads, step_calls, times = [], None, [], []
     for t in range(steps):
+        start = time.perf_counter()
         model.params.zero_grad()
         before = len(world.traffic.calls)
         _, loss = model.forward(backend.asarray(ids[t, b0:b1]), backend.asarray(targets[t, b0:b1]),
-                                batch_rows=(b0, b1, batch))
+                                batch_rows=(b0, b1, batch), **_dropout(config, seed, t))
         losses.append(float(loss))
         model.backward()
         if not zero:
-            if mesh.dp.size > 1:
-                opt.reduce_gradients()
-            if gather and t == steps - 1:
-                grads = np.array(backend.to_numpy(model.gather_full("grad")))
-            opt.step_reduced = True
-        _step(opt, zero)
+            opt.reduce_gradients()
+        opt.step(reduced=not zero)
         step_calls.append(world.traffic.calls[before:])
+        times.append(time.perf_counter() - start)
+        if not zero and gather and t == steps - 1:   # the summed gradient (step leaves it)
+            grads = np.array(backend.to_numpy(model.gather_full("grad")))
     params = np.array(backend.to_numpy(model.gather_full("data"))) if gather else None
     return dict(losses=losses, params=params, grads=grads, step_calls=step_calls,
-                local_params=model.params.size, state_bytes=opt.state_bytes())
-
-
-def _step(opt, zero):
-    """The optimizer step after the gradients were already reduced (replicated mode)."""
-    if zero:
-        opt.step()
-        return
-    opt.t += 1
-    adamw_update(opt.params.data, opt.params.grad, opt.m, opt.v, opt.t, decay_mask=opt.mask,
-                 **opt.hyper)
+                local_params=model.params.size, state_bytes=opt.state_bytes(), times=times)
 
 
 def checksum(flat) -> str:
