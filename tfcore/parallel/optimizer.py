@@ -16,6 +16,8 @@ a token of a short batch more than a token of a long one.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .. import backend
 from ..optim import adamw_update
 from .comm import chunk_bounds
@@ -38,7 +40,7 @@ class DataParallelAdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (m and v)."""
-        return 2 * self.m.shape[0] * self.m.dtype.itemsize
+        return 2 * self.m.shape[0] * np.dtype(self.params.dtype).itemsize
 
     def reduce_gradients(self):
         """Replicated mode: params.grad <- sum over dp of params.grad (in place)."""
