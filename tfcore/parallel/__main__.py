@@ -89,7 +89,7 @@ def main(argv=None) -> int:
               f"of the parameters {dp_:.1e}")
     if args.save:
         np.savez(args.save, losses=np.array(out["losses"]), params=out["params"],
-                 sent=np.array(sent))
+                 sent=np.array(sent), times=np.array(out["times"]))
     return 0
 
 
