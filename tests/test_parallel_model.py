@@ -135,3 +135,12 @@ def test_impossible_layouts_fail_before_any_work():
     with pytest.raises(ValueError, match="configuration .* differs across ranks"):
         SimulatedGroup(2).run(lambda c: train_parallel(c, cfg if c.rank else other, 1, 2, 8,
                                                        tp=2))
+
+
+def test_tensor_and_sequence_parallel_on_every_backend(backend_name):
+    """The rank-local code is array-API code: it runs on NumPy, array-api-strict (and CuPy)."""
+    cfg = CASES["llama"]
+    ref = train_single(cfg, 1, 2, SEQ)
+    out = SimulatedGroup(2).run(train_parallel, cfg, 1, 2, SEQ, tp=2, sequence_parallel=True)
+    assert _rel(out[0]["losses"], ref["losses"]) < TOL
+    assert _rel(out[0]["params"], ref["params"]) < TOL

@@ -52,6 +52,15 @@ def test_mpi_equals_simulation_and_one_device(tmp_path, n, args):
     assert np.max(np.abs(saved["params"] - ref["params"])) / np.max(np.abs(ref["params"])) < 1e-12
 
 
+def test_mpi_native_collectives_equal_one_device(tmp_path):
+    """MPI's own collectives add in their own order: equal to 1e-12, bytes not observed."""
+    saved, stdout = _mpi_run(tmp_path, 2, "--tp", "2", "--config", "tiny", "--algorithm",
+                             "native", "--steps", "2")
+    ref = train_single(CONFIGS["tiny"](), 2, 4, 8)
+    assert np.max(np.abs(saved["params"] - ref["params"])) / np.max(np.abs(ref["params"])) < 1e-12
+    assert "not observed" in stdout
+
+
 def test_mpi_reports_a_wrong_layout(tmp_path):
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "tfcore.parallel", "--tp", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

@@ -58,7 +58,8 @@ def reduce_from_tp_region_backward(dy, cache):
 
 
 def gather_from_sequence_region_forward(x, comm, axis: int = SEQ_AXIS):
-    """Sequence shards -> the whole sequence, replicated.  [B, S/N, D] -> [B, S, D]"""
+    """Sequence shards -> the whole sequence on every rank, as that rank's own copy for its
+    column-parallel layer (f fused in).  [B, S/N, D] -> [B, S, D]"""
     y = comm.all_gather(x, axis=axis)
     return y, _cache(comm, y, axis=axis)
 
