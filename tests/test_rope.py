@@ -96,8 +96,12 @@ def m(text: str) -> str:
 
 def test_errors():
     cos, sin = F.rope_tables(4, 6)
-    with pytest.raises(ValueError, match=m("even head_dim >= 2, got length=4, head_dim=5")):
+    with pytest.raises(ValueError, match=m("head_dim must be even (pairs of features), got 5")):
         F.rope_tables(4, 5)
+    with pytest.raises(ValueError, match=m("offset must be at least 0, got -1")):
+        F.rope_tables(4, 6, offset=-1)
+    with pytest.raises(TypeError, match=m("length must be an integer, got float 4.0")):
+        F.rope_tables(4.0, 6)
     with pytest.raises(ValueError, match=m("x's last axis (D_h) must be even")):
         F.rope_forward(asarray(np.zeros((1, 1, 4, 5))), cos, sin)
     with pytest.raises(ValueError, match=m("cos must have shape (S_t >= 5, 3)")):
@@ -105,5 +109,5 @@ def test_errors():
     with pytest.raises(TypeError, match=m("inputs must share one float dtype")):
         F.rope_forward(asarray(np.zeros((1, 1, 4, 6)), "float32"), cos, sin)
     _, cache = F.rope_forward(asarray(np.zeros((1, 1, 4, 6))), cos, sin)
-    with pytest.raises(ValueError, match=m("dy must have the forward output's shape (1, 1, 4, 6)")):
+    with pytest.raises(ValueError, match=m("dy must have shape (1, 1, 4, 6) like the forward's")):
         F.rope_backward(asarray(np.zeros((1, 4, 6))), cache)

@@ -8,17 +8,22 @@ from ..backend import namespace
 
 
 def relu_forward(x):
-    """y = max(x, 0).   x [...]  ->  y [...]; the cache is the boolean mask x > 0."""
-    checks.float_inputs(x=x)
-    xp = namespace(x)
-    return xp.maximum(x, 0.0), x > 0
+    """y = max(x, 0).   x [...]  ->  y [...]; the cache is the boolean mask x > 0 and x's dtype."""
+    xp = checks.float_inputs(x=x)
+    return xp.maximum(x, 0.0), (x > 0, x.dtype)
 
 
-def relu_backward(dy, positive):
-    """dx = dy where x > 0, else 0 (the derivative at exactly 0 is taken as 0)."""
+def relu_backward(dy, cache):
+    """dx = dy where x > 0, else exactly 0, even where dy is inf or nan (the slope at 0 is 0)."""
+    positive, dtype = cache
+    checks.upstream("dy", dy, tuple(positive.shape), dtype, namespace(positive))
     xp = namespace(dy)
-    dx = xp.astype(positive, dy.dtype)  # a multiply by the 0/1 mask is several times faster than where()
-    dx *= dy
+    dx = xp.astype(positive, dy.dtype)  # multiplying by the 0/1 mask is much faster than where()
+    with backend.expected_overflow():
+        dx *= dy
+    # ... but 0 * inf and 0 * nan are nan: only then (one sum tells) take the exact, slower where()
+    if bool(xp.isnan(xp.sum(dx))):
+        dx = xp.where(positive, dy, xp.zeros((), dtype=dy.dtype))
     return dx
 
 
@@ -55,9 +60,10 @@ def gelu_forward(x, approximate: str = "none"):
 
     exact: Phi(x) = (1 + erf(x / sqrt 2)) / 2
     tanh:  0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    x [...]  ->  y [...]; the cache is x.
+    x [...]  ->  y [...]; the cache is x itself (not a copy) and the form.
     """
     checks.float_inputs(x=x)
+    checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
     if approximate == "none":
         y = _normal_cdf(x)                  # Phi(x)
         y *= x
@@ -79,6 +85,7 @@ def gelu_backward(dy, cache):
     dy [...]  ->  dx [...]
     """
     x, approximate = cache
+    checks.upstream_like("dy", dy, x)
     xp = namespace(dy, x)
     if approximate == "none":
         grad = x * x
@@ -109,8 +116,6 @@ def gelu_backward(dy, cache):
 # --------------------------------------------------------------------------------------
 # SiLU and SwiGLU (the gated feed-forward of a Llama-style block)
 
-from ._upstream import check_upstream  # noqa: E402  (kept beside the ops that use it)
-
 
 def _sigmoid(x):
     """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x| <= 0.
@@ -135,10 +140,10 @@ def _silu_derivative(x, sig):
 
 def silu_forward(x):
     """silu(x) = x * sigmoid(x) (also called swish).   x [...]  ->  y [...]; the cache is x."""
-    checks.float_inputs(x=x)
+    xp = checks.float_inputs(x=x)
     y = _sigmoid(x)
     y *= x
-    return y, (x, tuple(y.shape), checks.dtype_name(y))
+    return y, (x, (tuple(y.shape), y.dtype, xp))
 
 
 def silu_backward(dy, cache):
@@ -146,8 +151,8 @@ def silu_backward(dy, cache):
 
     dy [...]  ->  dx [...]
     """
-    x, shape, dtype = cache
-    check_upstream("dy", dy, shape, dtype, x)
+    x, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
     grad = _silu_derivative(x, _sigmoid(x))
     grad *= dy
     return grad
@@ -158,12 +163,12 @@ def swiglu_forward(a, b):
 
     a [..., F], b [..., F]  ->  y [..., F]; the cache is (a, b).
     """
-    checks.float_inputs(a=a, b=b)
+    xp = checks.float_inputs(a=a, b=b)
     checks.shape("b", b, tuple(a.shape))
     y = _sigmoid(a)
     y *= a
     y *= b
-    return y, (a, b, tuple(y.shape), checks.dtype_name(y))
+    return y, (a, b, (tuple(y.shape), y.dtype, xp))
 
 
 def swiglu_backward(dy, cache):
@@ -171,8 +176,8 @@ def swiglu_backward(dy, cache):
 
     dy [..., F]  ->  da [..., F], db [..., F]
     """
-    a, b, shape, dtype = cache
-    check_upstream("dy", dy, shape, dtype, a)
+    a, b, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
     sig = _sigmoid(a)
     db = sig * a
     db *= dy                        # dy * silu(a)

@@ -10,7 +10,6 @@ import math
 
 from .. import checks
 from ..backend import namespace
-from ._upstream import check_upstream
 from .regularization import dropout_backward, dropout_forward
 from .softmax import _check_mask, softmax_backward
 
@@ -63,18 +62,21 @@ def attention_forward(
     A query whose keys are all masked has no softmax and raises ValueError.
 
     The cache keeps q, k, v, the probabilities A [B, H, S_q, S_k] and dropout's boolean
-    keep-mask with its scale (None without dropout). The backward recomputes the dropped
+    keep-mask with its scale (the mask None without dropout), and the output's shape,
+    dtype and library for the backward's check of dout. The backward recomputes the dropped
     probabilities A' = A * keep / (1 - p); the scores themselves are never needed again.
     Masks are constants: they get no gradient.
     """
-    checks.float_inputs(q=q, k=k, v=v)
+    xp = checks.float_inputs(q=q, k=k, v=v)
+    causal = checks.boolean("causal", causal)
+    dropout_p = checks.probability("dropout_p", dropout_p)
+    training = checks.boolean("training", training)
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.ndim(name, x, 4)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
     checks.shape("k", k, (batch, heads, None, d_h))
     checks.shape("v", v, (batch, heads, s_k, None))
-    xp = namespace(q, k, v)
     dtype = q.dtype
     scale = 1.0 / math.sqrt(d_h)
 
@@ -88,7 +90,8 @@ def attention_forward(
             )
         z += _causal_table(xp, s_q, s_k, dtype)                    # [S_q, S_k]
     if key_padding is not None:
-        namespace(key_padding, q)
+        checks.array("key_padding", key_padding)
+        checks.same_library(q=q, key_padding=key_padding)
         if not xp.isdtype(key_padding.dtype, "bool"):
             raise TypeError(
                 f"key_padding must be a bool array (True = padded key), "
@@ -115,7 +118,7 @@ def attention_forward(
     A /= xp.sum(A, axis=-1, keepdims=True)
     A_dropped, drop = dropout_forward(A, dropout_p, rng=rng, training=training)
     out = xp.matmul(A_dropped, v)                                   # [B, H, S_q, D_v]
-    cache = (q, k, v, A, drop, scale, tuple(out.shape), checks.dtype_name(out))
+    cache = (q, k, v, A, drop, scale, (tuple(out.shape), out.dtype, xp))
     return out, cache
 
 
@@ -129,9 +132,8 @@ def attention_backward(dout, cache):
 
     dout [B, H, S_q, D_v]  ->  dq [B, H, S_q, D_h], dk [B, H, S_k, D_h], dv [B, H, S_k, D_v]
     """
-    q, k, v, A, drop, scale, out_shape, out_dtype = cache
-    check_upstream("dout", dout, out_shape, out_dtype, q)
-    xp = namespace(dout, q)
+    q, k, v, A, drop, scale, (out_shape, out_dtype, xp) = cache
+    checks.upstream("dout", dout, out_shape, out_dtype, xp)
     A_dropped = dropout_backward(A, drop)                           # [B, H, S_q, S_k]
     dv = xp.matmul(xp.matrix_transpose(A_dropped), dout)            # [B, H, S_k, D_v]
     del A_dropped
@@ -150,9 +152,10 @@ def split_heads(x, n_heads: int):
     A reshape then a permute_dims: a view, no copy (the heads become a strided batch axis).
     Its backward is merge_heads.
     """
+    checks.array("x", x)
     checks.ndim("x", x, 3)
     batch, seq, width = x.shape
-    _check_heads(width, n_heads)
+    n_heads = _check_heads(width, n_heads)
     xp = namespace(x)
     return xp.permute_dims(xp.reshape(x, (batch, seq, n_heads, width // n_heads)), (0, 2, 1, 3))
 
@@ -164,17 +167,20 @@ def merge_heads(x):
     the permute the heads are no longer adjacent in memory (unless x came from split_heads
     and was never copied, when the reshape is a view again).
     """
+    checks.array("x", x)
     checks.ndim("x", x, 4)
     batch, heads, seq, d_h = x.shape
     xp = namespace(x)
     return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (batch, seq, heads * d_h))
 
 
-def _check_heads(width: int, n_heads: int):
-    if not (isinstance(n_heads, int) and n_heads >= 1 and width % n_heads == 0):
+def _check_heads(width: int, n_heads: int) -> int:
+    n_heads = checks.integer("n_heads", n_heads, least=1)
+    if width % n_heads:
         raise ValueError(
             f"n_heads must be a positive integer dividing the width {width}, got {n_heads!r}"
         )
+    return n_heads
 
 
 def qkv_split(qkv, n_heads: int):
@@ -183,11 +189,12 @@ def qkv_split(qkv, n_heads: int):
     qkv [B, S, 3D], columns q | k | v, each block of D = H * D_h columns head-major (head h
     owns columns h*D_h .. (h+1)*D_h of its block). Its backward is qkv_merge_grads.
     """
+    checks.array("qkv", qkv)
     checks.ndim("qkv", qkv, 3)
     batch, seq, width3 = qkv.shape
     if width3 % 3:
         raise ValueError(f"qkv must have 3 * D columns (q | k | v), got {width3}")
-    _check_heads(width3 // 3, n_heads)
+    n_heads = _check_heads(width3 // 3, n_heads)
     xp = namespace(qkv)
     d_h = width3 // 3 // n_heads
     parts = xp.permute_dims(

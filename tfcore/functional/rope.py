@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from .. import backend, checks
 from ..backend import namespace
-from ._upstream import check_upstream
 
 
 def rope_tables(
@@ -20,19 +19,17 @@ def rope_tables(
     -> cos [length, head_dim / 2], sin [length, head_dim / 2]; row p is position offset + p
     (a KV-cached step at position t uses offset=t). Angles are computed in float64, then cast.
     """
-    if length < 1 or head_dim < 2 or head_dim % 2:
-        raise ValueError(
-            f"rope_tables needs length >= 1 and an even head_dim >= 2, "
-            f"got length={length}, head_dim={head_dim}"
-        )
-    if dtype not in backend.FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {backend.FLOAT_DTYPES}, got {dtype!r}")
-    checks.positive("base", base)
+    length = checks.integer("length", length, least=1)
+    head_dim = checks.integer("head_dim", head_dim, least=2)
+    offset = checks.integer("offset", offset, least=0)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (pairs of features), got {head_dim}")
+    base = checks.positive("base", base)
     xp = backend.xp()
+    dt = checks.float_dtype("dtype", dtype, xp)
     pos = xp.astype(xp.arange(offset, offset + length), xp.float64)[:, None]   # [length, 1]
     pair = xp.astype(xp.arange(0, head_dim, 2), xp.float64)[None, :]            # [1, D_h/2]
     angle = pos * (base ** (-pair / head_dim))                                   # [length, D_h/2]
-    dt = getattr(xp, dtype)
     return xp.astype(xp.cos(angle), dt), xp.astype(xp.sin(angle), dt)
 
 
@@ -54,7 +51,7 @@ def rope_forward(x, cos, sin):
     from rope_tables: the first S rows are used (build them with offset for a cached step).
     ->  y [..., S, D_h]; the cache holds the S rows of cos and sin, nothing of x.
     """
-    checks.float_inputs(x=x, cos=cos, sin=sin)
+    xp = checks.float_inputs(x=x, cos=cos, sin=sin)
     checks.min_ndim("x", x, 2)
     seq, d_h = x.shape[-2], x.shape[-1]
     if d_h % 2:
@@ -68,7 +65,7 @@ def rope_forward(x, cos, sin):
             )
     cos, sin = cos[:seq, :], sin[:seq, :]
     y = _rotate(x, cos, sin)
-    return y, (cos, sin, tuple(y.shape), checks.dtype_name(y))
+    return y, (cos, sin, (tuple(y.shape), y.dtype, xp))
 
 
 def rope_backward(dy, cache):
@@ -76,6 +73,6 @@ def rope_backward(dy, cache):
 
     dy [..., S, D_h]  ->  dx [..., S, D_h]
     """
-    cos, sin, shape, dtype = cache
-    check_upstream("dy", dy, shape, dtype, cos)
+    cos, sin, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
     return _rotate(dy, cos, -sin)
