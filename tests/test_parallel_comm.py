@@ -1,0 +1,113 @@
+"""The communicators: every collective's result, and every byte it moves against its closed
+form (tfcore.parallel.volume), for the ring and the naive algorithm."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tfcore import backend
+from tfcore.parallel import SimulatedGroup, chunk_bounds
+from tfcore.parallel.volume import collective_bytes
+
+
+def _inputs(n, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape) for _ in range(n)]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "naive"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collectives_compute_what_they_say(backend_name, algorithm, n):
+    xs = _inputs(n, (n * 2, 3), seed=n)
+
+    def body(comm):
+        x = backend.asarray(xs[comm.rank])
+        sub = comm.split(comm.rank % 2, name="parity")
+        return [backend.to_numpy(a) for a in (
+            comm.all_reduce(x), comm.all_reduce(x, op="max"), comm.all_gather(x, axis=1),
+            comm.reduce_scatter(x, axis=0), comm.broadcast(x, root=n - 1), sub.all_reduce(x))]
+
+    total = sum(xs)
+    for r, (s, m, g, rs, b, sub) in enumerate(SimulatedGroup(n, algorithm).run(body)):
+        np.testing.assert_allclose(s, total, rtol=1e-14, atol=1e-14)
+        np.testing.assert_array_equal(m, np.max(xs, axis=0))
+        np.testing.assert_array_equal(g, np.concatenate(xs, axis=1))
+        np.testing.assert_allclose(rs, total[2 * r:2 * r + 2], rtol=1e-14, atol=1e-14)
+        np.testing.assert_array_equal(b, xs[n - 1])
+        np.testing.assert_allclose(sub, sum(xs[i] for i in range(n) if i % 2 == r % 2),
+                                   rtol=1e-14, atol=1e-14)
+
+
+def test_every_rank_gets_the_same_bits():
+    xs = _inputs(4, (37,))
+    out = SimulatedGroup(4, "ring").run(lambda c: c.all_reduce(xs[c.rank]))
+    assert all(np.array_equal(o, out[0]) for o in out)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "naive"])
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("M", [60, 61, 7])       # divisible by every n or not, tiny
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "broadcast"])
+def test_measured_bytes_equal_the_closed_form(algorithm, n, M, op):
+    """Per rank (sent and received), per link and in total, one call at a time."""
+    bounds = chunk_bounds(M, n)
+    xs = _inputs(n, (M,), seed=M)
+
+    def body(comm):
+        x = xs[comm.rank]
+        if op == "all_reduce":
+            comm.all_reduce(x)
+        elif op == "reduce_scatter":
+            comm.reduce_scatter_flat(x, bounds)
+        elif op == "all_gather":
+            a, b = bounds[comm.rank]
+            comm.all_gather_flat(x[a:b], bounds)
+        else:
+            comm.broadcast(x, root=0)
+        return comm.traffic.calls[-1]
+
+    group = SimulatedGroup(n, algorithm)
+    records = group.run(body)
+    formula = collective_bytes(op, algorithm, M, n, itemsize=8)
+    assert [r.sent for r in records] == formula["sent"]
+    assert [r.received for r in records] == formula["received"]
+    assert group.total()["sent"] == formula["total"]
+    links = group.total()["links"]
+    if algorithm == "ring" and op != "broadcast":
+        assert set(links) <= {(r, (r + 1) % n) for r in range(n)}   # neighbours only
+    if algorithm == "naive":
+        assert all(0 in link for link in links)                      # through the root only
+
+
+def test_ring_and_naive_totals_per_rank_and_in_total():
+    """Seed 003's two figures, with what each counts: in total both all-reduces move
+    2 (N-1) M b; per rank the ring moves 2 (N-1)/N M b and the naive root 2 (N-1) M b."""
+    for n in (2, 4, 8):
+        M = 8 * 9 * 10
+        ring = collective_bytes("all_reduce", "ring", M, n)
+        naive = collective_bytes("all_reduce", "naive", M, n)
+        assert ring["total"] == naive["total"] == 2 * (n - 1) * M * 8
+        assert ring["sent"] == [2 * (n - 1) * M * 8 // n] * n
+        assert naive["sent"][0] + naive["received"][0] == 2 * (n - 1) * M * 8
+
+
+def test_subgroups_and_errors():
+    def body(comm):
+        pair = comm.subgroup([0, 1]) if comm.rank < 2 else comm.subgroup([2, 3])
+        return pair.ranks, pair.rank, backend.to_numpy(pair.all_reduce(np.ones(2) * comm.rank))
+
+    out = SimulatedGroup(4).run(body)
+    assert out[3][0] == (2, 3) and out[3][1] == 1 and out[3][2].tolist() == [5.0, 5.0]
+    with pytest.raises(ValueError, match="not a member"):
+        SimulatedGroup(2).run(lambda c: c.subgroup([1 - c.rank]))
+    with pytest.raises(ValueError, match="multiple of the group size 3"):
+        SimulatedGroup(3).run(lambda c: c.reduce_scatter(np.ones((4, 2)), axis=0))
+    with pytest.raises(ValueError, match="op must be one of"):
+        SimulatedGroup(2).run(lambda c: c.all_reduce(np.ones(2), op="min"))
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        SimulatedGroup(2, "tree")
+    with pytest.raises(RuntimeError, match="did not call the same collectives"):
+        SimulatedGroup(2, timeout=0.5).run(
+            lambda c: c.all_reduce(np.ones(3)) if c.rank == 0 else None)
+    with pytest.raises(ValueError, match="differs across ranks"):
+        SimulatedGroup(2).run(lambda c: c.check_same(f"cfg{c.rank}", "the configuration"))

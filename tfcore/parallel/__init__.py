@@ -1,0 +1,24 @@
+"""Tensor, sequence and data parallelism over one communicator interface.
+
+    comm        Communicator: SimulatedGroup / SimulatedComm (threads, counted bytes), MPIComm
+    mappings    f, g and the sequence-parallel gathers/scatters as forward/backward pairs
+    layers      column/row-parallel linears, vocab-parallel embedding and cross-entropy
+    model       TensorParallelDecoder, sharded by parameter name from a DecoderLM
+    optimizer   DataParallelAdamW (replicated or ZeRO-1)
+    mesh        Mesh: the DP x TP groups
+    volume      closed forms of bytes per collective and per step, parameters per rank
+    runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
+"""
+from .comm import (  # noqa: F401
+    CallRecord,
+    Communicator,
+    MPIComm,
+    SimulatedComm,
+    SimulatedGroup,
+    Traffic,
+    chunk_bounds,
+    total_traffic,
+)
+from .mesh import Mesh  # noqa: F401
+from .model import TensorParallelDecoder  # noqa: F401
+from .optimizer import DataParallelAdamW  # noqa: F401

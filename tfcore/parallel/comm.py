@@ -1,0 +1,624 @@
+"""Communicators: one interface, two transports, every byte that moves counted.
+
+The model code is rank-local (SPMD): every rank runs the same function against the
+communicator it is handed, and the collectives below are the only places where ranks meet.
+
+    all_reduce(x, op)        every rank ends with sum_j x_j (or the max)       x [...]
+    all_gather(x, axis)      every rank ends with concat_j x_j along axis      x [..., n, ...]
+    reduce_scatter(x, axis)  rank r ends with block r (along axis) of sum_j x_j
+    broadcast(x, root)       every rank ends with x_root
+    barrier()
+    split(color, key)        sub-groups: the ranks that passed the same color (collective)
+    subgroup(ranks)          the sub-group of the given ranks (called by its members only)
+
+Algorithms (`algorithm=`), each run chunk by chunk over point-to-point messages, so the same
+code moves the data in the simulation and under MPI and counts what it moves:
+
+* ``"ring"``: the ranks form a ring r -> r+1. all_reduce = reduce-scatter (N-1 steps: at
+  step s rank r sends chunk (r-s-1) mod N to its right and adds the chunk arriving from its
+  left; after N-1 steps rank r holds the sum of chunk r) followed by all-gather (N-1 steps
+  passing the finished chunks on). The M elements are cut into N chunks of sizes
+  floor/ceil(M/N) (numpy.array_split's rule).
+* ``"naive"``: everything goes through the root (group rank 0). all_reduce: every other rank
+  sends its whole tensor to the root, the root adds them in rank order and sends the whole
+  result back to every other rank. reduce_scatter: the same gather, then the root sends
+  chunk j to rank j. all_gather: every other rank sends its chunk to the root, which sends
+  the whole concatenation to every other rank. broadcast: the root sends to every rank.
+* ``"native"`` (MPI only): MPI's own collectives; their bytes cannot be observed from
+  Python, so the records hold the payload only (``measured=False``).
+
+Counting. Every message is counted where it moves: the sender adds its bytes to its
+``sent`` and to the link (src -> dst) (global ranks), the receiver to its ``received``; each
+collective call leaves a `CallRecord` with the bytes this rank sent and received during it.
+Counts are per rank; a total is the sum over ranks (``total_traffic``).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backend import namespace, to_numpy
+
+ALGORITHMS = ("ring", "naive")
+OPS = ("sum", "max")
+
+
+def chunk_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """[(start, stop)] of `parts` contiguous chunks of range(total), sizes ceil/floor(total/parts)
+    with the larger ones first (numpy.array_split's rule)."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass
+class CallRecord:
+    """One collective as seen by one rank: what it moved during the call."""
+
+    op: str
+    algorithm: str
+    group: str
+    ranks: tuple
+    elements: int              # elements of the logical tensor (M)
+    itemsize: int
+    sent: int = 0              # bytes this rank sent during the call
+    received: int = 0          # bytes this rank received
+    messages: int = 0          # point-to-point messages this rank sent
+    links: Counter = field(default_factory=Counter)   # (src, dst) global ranks -> bytes
+    measured: bool = True      # False for MPI's native collectives (payload only)
+
+
+class Traffic:
+    """What one rank moved, over all of its communicators (the world and its sub-groups)."""
+
+    def __init__(self):
+        self.sent = 0
+        self.received = 0
+        self.links: Counter = Counter()
+        self.calls: list[CallRecord] = []
+        self.current: CallRecord | None = None
+
+    def reset(self):
+        self.__init__()
+
+    def summary(self) -> dict:
+        """{'sent', 'received', 'by_op': {(group, op): sent bytes}, 'links'}."""
+        by_op: Counter = Counter()
+        for c in self.calls:
+            by_op[(c.group, c.op)] += c.sent
+        return dict(sent=self.sent, received=self.received, by_op=dict(by_op),
+                    links=dict(self.links))
+
+
+def total_traffic(traffics) -> dict:
+    """Sum of per-rank Traffic objects: total bytes sent (= total received) and per link."""
+    links: Counter = Counter()
+    for t in traffics:
+        links.update(t.links)
+    sent = sum(t.sent for t in traffics)
+    received = sum(t.received for t in traffics)
+    assert sent == received == sum(links.values()), "every byte sent must be received once"
+    return dict(sent=sent, received=received, links=dict(links))
+
+
+class Communicator:
+    """The collectives, written once over four transport primitives (_isend, _wait, _recv,
+    _exchange_objects) that SimulatedComm and MPIComm provide."""
+
+    def __init__(self, rank: int, ranks: tuple, name: str, algorithm: str, traffic: Traffic):
+        if algorithm not in ALGORITHMS + ("native",):
+            raise ValueError(f"algorithm must be one of {ALGORITHMS + ('native',)}, "
+                             f"got {algorithm!r}")
+        self.rank = rank                      # this rank's index in the group
+        self.ranks = tuple(ranks)             # global (world) ranks of the members, in order
+        self.size = len(ranks)
+        self.name = name
+        self.algorithm = algorithm
+        self.traffic = traffic
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def __repr__(self):
+        return (f"{type(self).__name__}({self.name!r}, rank {self.rank} of {self.size}, "
+                f"world ranks {self.ranks}, {self.algorithm})")
+
+    # -- counting -----------------------------------------------------------------------
+    def _count_send(self, dst: int, nbytes: int):
+        link = (self.global_rank, self.ranks[dst])
+        t = self.traffic
+        t.sent += nbytes
+        t.links[link] += nbytes
+        if t.current is not None:
+            t.current.sent += nbytes
+            t.current.messages += 1
+            t.current.links[link] += nbytes
+
+    def _count_recv(self, nbytes: int):
+        self.traffic.received += nbytes
+        if self.traffic.current is not None:
+            self.traffic.current.received += nbytes
+
+    def _begin(self, op: str, elements: int, itemsize: int, measured=True) -> CallRecord:
+        record = CallRecord(op, self.algorithm, self.name, self.ranks, int(elements),
+                            int(itemsize), measured=measured)
+        self.traffic.calls.append(record)
+        self.traffic.current = record
+        return record
+
+    def _end(self):
+        self.traffic.current = None
+
+    # -- point to point, counted ---------------------------------------------------------
+    def send(self, dst: int, x):
+        """Start sending the 1-D array x to group rank dst; returns a handle for _wait."""
+        self._count_send(dst, x.size * _itemsize(x))
+        return self._isend(dst, x)
+
+    def recv(self, src: int, size: int, like):
+        """Receive a 1-D array of `size` elements of like's dtype from group rank src."""
+        out = self._recv(src, size, like)
+        self._count_recv(out.size * _itemsize(out))
+        return out
+
+    # -- the algorithms on a flat work buffer (in place) ----------------------------------
+    @staticmethod
+    def _combine(xp, a, b, op):
+        return a + b if op == "sum" else xp.maximum(a, b)
+
+    def _ring_reduce_scatter(self, xp, work, bounds, op):
+        """After N-1 steps rank r holds the reduction of chunk r in work[bounds[r]]."""
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        for s in range(n - 1):
+            a, b = bounds[(r - s - 1) % n]
+            c, d = bounds[(r - s - 2) % n]
+            handle = self.send(right, work[a:b])
+            incoming = self.recv(left, d - c, work)
+            work[c:d] = self._combine(xp, work[c:d], incoming, op)
+            self._wait(handle)
+
+    def _ring_all_gather(self, work, bounds):
+        """Rank r starts with chunk r in place; after N-1 steps every chunk is everywhere."""
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        for s in range(n - 1):
+            a, b = bounds[(r - s) % n]
+            c, d = bounds[(r - s - 1) % n]
+            handle = self.send(right, work[a:b])
+            work[c:d] = self.recv(left, d - c, work)
+            self._wait(handle)
+
+    def _naive_reduce_to_root(self, xp, work, op):
+        """Root: work <- reduction over ranks in rank order; others send their whole work."""
+        if self.rank != 0:
+            self._wait(self.send(0, work))
+            return
+        for src in range(1, self.size):
+            work[...] = self._combine(xp, work, self.recv(src, work.shape[0], work), op)
+
+    # -- public collectives ---------------------------------------------------------------
+    def all_reduce(self, x, op: str = "sum"):
+        """A new array, the elementwise sum (or max) of x over the group's ranks.  x [...]"""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        xp = namespace(x)
+        work = _flat_copy(xp, x)                                         # [M]
+        self._begin("all_reduce", work.shape[0], _itemsize(work))
+        try:
+            if self.size > 1:
+                if self.algorithm == "native":
+                    work = self._native("all_reduce", xp, work, op=op)
+                elif self.algorithm == "ring":
+                    bounds = chunk_bounds(work.shape[0], self.size)
+                    self._ring_reduce_scatter(xp, work, bounds, op)
+                    self._ring_all_gather(work, bounds)
+                else:
+                    self._naive_reduce_to_root(xp, work, op)
+                    if self.rank == 0:
+                        for handle in [self.send(d, work) for d in range(1, self.size)]:
+                            self._wait(handle)
+                    else:
+                        work = self.recv(0, work.shape[0], work)
+        finally:
+            self._end()
+        return xp.reshape(work, tuple(x.shape))
+
+    def reduce_scatter_flat(self, x, bounds=None):
+        """Chunk `rank` (bounds[rank], default chunk_bounds) of the sum over ranks of the
+        1-D x [M]  ->  [stop - start]."""
+        xp = namespace(x)
+        work = _flat_copy(xp, x)
+        bounds = bounds or chunk_bounds(work.shape[0], self.size)
+        _check_bounds(bounds, work.shape[0], self.size)
+        a, b = bounds[self.rank]
+        self._begin("reduce_scatter", work.shape[0], _itemsize(work))
+        try:
+            if self.size == 1:
+                return work
+            if self.algorithm == "native":
+                return self._native("reduce_scatter", xp, work, bounds=bounds)
+            if self.algorithm == "ring":
+                self._ring_reduce_scatter(xp, work, bounds, "sum")
+                return xp.asarray(work[a:b], copy=True)
+            self._naive_reduce_to_root(xp, work, "sum")
+            if self.rank == 0:
+                handles = [self.send(d, work[bounds[d][0]:bounds[d][1]])
+                           for d in range(1, self.size)]
+                for handle in handles:
+                    self._wait(handle)
+                return xp.asarray(work[a:b], copy=True)
+            return self.recv(0, b - a, work)
+        finally:
+            self._end()
+
+    def all_gather_flat(self, chunk, bounds):
+        """Rank r holds chunk r [stop_r - start_r] -> every rank gets the whole [M]."""
+        xp = namespace(chunk)
+        total = bounds[-1][1]
+        _check_bounds(bounds, total, self.size)
+        a, b = bounds[self.rank]
+        if chunk.ndim != 1 or chunk.shape[0] != b - a:
+            raise ValueError(f"rank {self.rank} must hold a 1-D chunk of {b - a} elements "
+                             f"(bounds {bounds[self.rank]}), got shape {tuple(chunk.shape)}")
+        self._begin("all_gather", total, _itemsize(chunk))
+        try:
+            if self.algorithm == "native" and self.size > 1:
+                return self._native("all_gather", xp, chunk, bounds=bounds)
+            work = xp.zeros((total,), dtype=chunk.dtype)
+            work[a:b] = chunk
+            if self.size == 1:
+                return work
+            if self.algorithm == "ring":
+                self._ring_all_gather(work, bounds)
+                return work
+            if self.rank != 0:
+                self._wait(self.send(0, chunk))
+                return self.recv(0, total, work)
+            for src in range(1, self.size):
+                c, d = bounds[src]
+                work[c:d] = self.recv(src, d - c, work)
+            for handle in [self.send(dst, work) for dst in range(1, self.size)]:
+                self._wait(handle)
+            return work
+        finally:
+            self._end()
+
+    def all_gather(self, x, axis: int = 0):
+        """Concatenation along `axis` of every rank's x (all of the same shape)."""
+        xp = namespace(x)
+        size = int(np.prod(x.shape))
+        bounds = [(i * size, (i + 1) * size) for i in range(self.size)]
+        full = self.all_gather_flat(xp.reshape(x, (-1,)), bounds)
+        pieces = [xp.reshape(full[a:b], tuple(x.shape)) for a, b in bounds]
+        return xp.concat(pieces, axis=axis)
+
+    def reduce_scatter(self, x, axis: int = 0):
+        """Block `rank` along `axis` of the sum over ranks; x's size along axis must be a
+        multiple of the group size.  x [..., n, ...] -> [..., n / N, ...]"""
+        xp = namespace(x)
+        axis = axis % x.ndim
+        n = x.shape[axis]
+        if n % self.size:
+            raise ValueError(f"reduce_scatter along axis {axis}: its size {n} must be a "
+                             f"multiple of the group size {self.size}")
+        step = n // self.size
+        index = [slice(None)] * x.ndim
+        parts = []
+        for i in range(self.size):
+            index[axis] = slice(i * step, (i + 1) * step)
+            parts.append(xp.reshape(x[tuple(index)], (-1,)))
+        flat = xp.concat(parts, axis=0)
+        mine = self.reduce_scatter_flat(flat, [(i * parts[0].shape[0], (i + 1) * parts[0].shape[0])
+                                               for i in range(self.size)])
+        shape = list(x.shape)
+        shape[axis] = step
+        return xp.reshape(mine, tuple(shape))
+
+    def broadcast(self, x, root: int = 0):
+        """Every rank gets root's x (others pass an array of the same shape and dtype)."""
+        xp = namespace(x)
+        work = _flat_copy(xp, x)
+        self._begin("broadcast", work.shape[0], _itemsize(work))
+        try:
+            if self.size > 1:
+                if self.algorithm == "native":
+                    work = self._native("broadcast", xp, work, root=root)
+                elif self.algorithm == "naive":
+                    if self.rank == root:
+                        for h in [self.send(d, work) for d in range(self.size) if d != root]:
+                            self._wait(h)
+                    else:
+                        work = self.recv(root, work.shape[0], work)
+                else:   # a chain along the ring, starting at the root
+                    position = (self.rank - root) % self.size
+                    if position > 0:
+                        work = self.recv((self.rank - 1) % self.size, work.shape[0], work)
+                    if position < self.size - 1:
+                        self._wait(self.send((self.rank + 1) % self.size, work))
+        finally:
+            self._end()
+        return xp.reshape(work, tuple(x.shape))
+
+    def all_gather_object(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] for small Python objects (not counted)."""
+        return self._exchange_objects(obj)
+
+    def check_same(self, value: str, what: str) -> None:
+        """Raise ValueError on every rank if the ranks hold different `value`s (a hash)."""
+        values = self.all_gather_object(value)
+        if len(set(values)) > 1:
+            differing = [i for i, v in enumerate(values) if v != values[0]]
+            raise ValueError(f"{what} differs across ranks: rank 0 has {values[0]!r}, "
+                             f"rank(s) {differing} have {[values[i] for i in differing]!r}")
+
+    def split(self, color: int, key: int | None = None, name: str | None = None):
+        """The sub-group of the ranks that pass the same color, ordered by (key, rank).
+        Every rank of this group must call it."""
+        key = self.rank if key is None else key
+        entries = self._exchange_objects((color, key))
+        members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
+        members = tuple(self.ranks[r] for _, r in members)
+        return self._make(members, name or f"{self.name}/{color}", color, key)
+
+    def subgroup(self, ranks, name: str | None = None):
+        """The group of the given group ranks (in this order); called by its members only."""
+        ranks = tuple(int(r) for r in ranks)
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} called subgroup({ranks}) but is not a member")
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
+            raise ValueError(f"subgroup ranks must be distinct members of 0..{self.size - 1}, "
+                             f"got {ranks}")
+        members = tuple(self.ranks[r] for r in ranks)
+        return self._make(members, name or f"{self.name}{list(ranks)}", None, None)
+
+
+def _itemsize(x) -> int:
+    return np.dtype(str(x.dtype).rsplit(".", 1)[-1]).itemsize
+
+
+def _flat_copy(xp, x):
+    return xp.asarray(xp.reshape(x, (-1,)), copy=True)
+
+
+def _check_bounds(bounds, total, size):
+    if len(bounds) != size or bounds[0][0] != 0 or bounds[-1][1] != total or any(
+            bounds[i][1] != bounds[i + 1][0] for i in range(size - 1)):
+        raise ValueError(f"bounds must be {size} contiguous chunks covering 0..{total}, "
+                         f"got {bounds}")
+
+
+# ---------------------------------------------------------------------------------------
+# The simulation: N ranks as threads of one process, messages through queues.
+
+
+class _GroupState:
+    """What the members of one simulated group share: a FIFO per link and a rendezvous."""
+
+    def __init__(self, members):
+        self.queues = {(a, b): queue.Queue() for a in members for b in members if a != b}
+        self.barrier = threading.Barrier(len(members))
+        self.slots: dict = {}
+
+
+class _World:
+    def __init__(self, size: int, timeout: float):
+        self.size = size
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.groups: dict = {}
+        self.failed = threading.Event()
+
+    def group(self, key, members) -> _GroupState:
+        with self.lock:
+            if key not in self.groups:
+                self.groups[key] = _GroupState(members)
+            return self.groups[key]
+
+    def abort(self):
+        self.failed.set()
+        with self.lock:
+            for state in self.groups.values():
+                state.barrier.abort()
+
+
+class SimulatedComm(Communicator):
+    """One rank's view of a simulated group (made by SimulatedGroup.run)."""
+
+    def __init__(self, world: _World, rank, ranks, name, algorithm, traffic, key=None):
+        super().__init__(rank, ranks, name, algorithm, traffic)
+        if algorithm == "native":
+            raise ValueError("the simulated group runs 'ring' or 'naive' (native is MPI's own)")
+        self._world = world
+        self._state = world.group(key or (self.ranks, name), self.ranks)
+
+    def _isend(self, dst, x):
+        xp = namespace(x)
+        self._state.queues[(self.global_rank, self.ranks[dst])].put(xp.asarray(x, copy=True))
+        return None
+
+    def _wait(self, handle):
+        return None
+
+    def _recv(self, src, size, like):
+        q = self._state.queues[(self.ranks[src], self.global_rank)]
+        waited = 0.0
+        while True:
+            if self._world.failed.is_set():
+                raise RuntimeError("another rank failed")
+            try:
+                out = q.get(timeout=0.05)
+                break
+            except queue.Empty:
+                waited += 0.05
+                if waited > self._world.timeout:
+                    raise RuntimeError(
+                        f"{self!r} waited {self._world.timeout} s for a message from group "
+                        f"rank {src}: the ranks did not call the same collectives") from None
+        if out.shape != (size,) or str(out.dtype) != str(like.dtype):
+            raise RuntimeError(f"{self!r} expected {size} elements of {like.dtype} from rank "
+                               f"{src}, got shape {tuple(out.shape)} {out.dtype}: the ranks "
+                               "called different collectives")
+        return out
+
+    def barrier(self):
+        try:
+            self._state.barrier.wait(timeout=self._world.timeout)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"{self!r}: barrier broken (another rank failed or timed out)")
+
+    def _exchange_objects(self, obj):
+        slots = self._state.slots
+        self.barrier()
+        slots[self.rank] = obj
+        self.barrier()
+        out = [slots[i] for i in range(self.size)]
+        self.barrier()
+        if self.rank == 0:
+            slots.clear()
+        self.barrier()
+        return out
+
+    def _make(self, members, name, color, key):
+        if self.global_rank not in members:
+            raise RuntimeError("internal: a rank must be a member of its own new group")
+        return SimulatedComm(self._world, members.index(self.global_rank), members, name,
+                             self.algorithm, self.traffic)
+
+
+class SimulatedGroup:
+    """N ranks in one process, one thread each, exchanging messages through queues.
+
+        group = SimulatedGroup(4, algorithm="ring")
+        results = group.run(fn, *args)   # fn(comm, *args) on every rank; [result of rank r]
+        group.traffic[r]                  # Traffic of rank r (sent, received, links, calls)
+    """
+
+    def __init__(self, size: int, algorithm: str = "ring", timeout: float = 60.0):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive integer, got {size!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.size = size
+        self.algorithm = algorithm
+        self.timeout = timeout
+        self.traffic = [Traffic() for _ in range(size)]
+
+    def comms(self, world: _World) -> list[SimulatedComm]:
+        ranks = tuple(range(self.size))
+        return [SimulatedComm(world, r, ranks, "world", self.algorithm, self.traffic[r])
+                for r in range(self.size)]
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """fn(comm, *args, **kwargs) on every rank at once; the list of their results.
+        The first exception raised on any rank is raised here, naming the rank."""
+        world = _World(self.size, self.timeout)
+        comms = self.comms(world)
+        results: list = [None] * self.size
+        errors: list = [None] * self.size
+
+        def body(r):
+            try:
+                results[r] = fn(comms[r], *args, **kwargs)
+            except BaseException as err:   # noqa: BLE001 - re-raised in the caller
+                errors[r] = err
+                world.abort()
+
+        if self.size == 1:
+            body(0)
+        else:
+            threads = [threading.Thread(target=body, args=(r,), daemon=True)
+                       for r in range(self.size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        secondary = ("another rank failed", "barrier broken")
+        first = [(r, e) for r, e in enumerate(errors)
+                 if e is not None and not any(s in str(e) for s in secondary)]
+        first = first or [(r, e) for r, e in enumerate(errors) if e is not None]
+        if first:
+            rank, err = first[0]
+            raise type(err)(f"rank {rank}: {err}") from err
+        return results
+
+    def total(self) -> dict:
+        return total_traffic(self.traffic)
+
+
+# ---------------------------------------------------------------------------------------
+# MPI: the same algorithms over mpi4py's point-to-point messages (or MPI's own collectives)
+
+
+class MPIComm(Communicator):
+    """One process's view of an MPI communicator.
+
+    With algorithm 'ring' or 'naive' the collectives above run over Isend/Recv and are
+    counted exactly as in the simulation (the same code decides what moves); with 'native'
+    they call MPI_Allreduce and friends, and only the payload is recorded.
+    """
+
+    def __init__(self, mpi_comm=None, algorithm: str = "ring", name: str = "world",
+                 ranks=None, traffic: Traffic | None = None):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if ranks is None:
+            ranks = tuple(self._comm.allgather(MPI.COMM_WORLD.Get_rank()))
+        super().__init__(self._comm.Get_rank(), ranks, name, algorithm, traffic or Traffic())
+
+    def _isend(self, dst, x):
+        buf = np.ascontiguousarray(to_numpy(x))
+        return (self._comm.Isend(buf, dest=dst, tag=7), buf)
+
+    def _wait(self, handle):
+        handle[0].Wait()
+
+    def _recv(self, src, size, like):
+        buf = np.empty(size, dtype=np.dtype(str(like.dtype).rsplit(".", 1)[-1]))
+        self._comm.Recv(buf, source=src, tag=7)
+        return namespace(like).asarray(buf) if not isinstance(like, np.ndarray) else buf
+
+    def _native(self, what, xp, work, op="sum", bounds=None, root=0):
+        MPI = self._MPI
+        host = np.ascontiguousarray(to_numpy(work))
+        self.traffic.current.measured = False
+        if what == "all_reduce":
+            out = np.empty_like(host)
+            self._comm.Allreduce(host, out, op=MPI.SUM if op == "sum" else MPI.MAX)
+        elif what == "reduce_scatter":
+            counts = [b - a for a, b in bounds]
+            out = np.empty(counts[self.rank], dtype=host.dtype)
+            self._comm.Reduce_scatter(host, out, recvcounts=counts, op=MPI.SUM)
+        elif what == "all_gather":
+            counts = [b - a for a, b in bounds]
+            out = np.empty(bounds[-1][1], dtype=host.dtype)
+            self._comm.Allgatherv(host, [out, counts])
+        else:
+            self._comm.Bcast(host, root=root)
+            out = host
+        return out if isinstance(work, np.ndarray) else xp.asarray(out)
+
+    def barrier(self):
+        self._comm.Barrier()
+
+    def _exchange_objects(self, obj):
+        return self._comm.allgather(obj)
+
+    def _make(self, members, name, color, key):
+        if color is not None:
+            sub = self._comm.Split(color, key)
+        else:
+            group = self._comm.Get_group().Incl([self.ranks.index(m) for m in members])
+            sub = self._comm.Create_group(group)
+        return MPIComm(sub, self.algorithm, name, members, self.traffic)
