@@ -74,7 +74,7 @@ chromium:
 	@bash tools/install-chromium.sh
 
 test: book pdf chromium
-	$(BIN)/python -m pytest tests chapters \
+	OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS:-1} $(BIN)/python -m pytest tests chapters \
 	    --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	    -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
