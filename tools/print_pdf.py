@@ -56,6 +56,9 @@ def print_pdf(site: Path, destination: Path) -> None:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1000, "height": 1400})
+            # One page holds the whole book: loading it and typesetting every equation takes
+            # a while on a small or busy machine.
+            page.set_default_timeout(600_000)
             page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
                 f"http://127.0.0.1:{server.server_address[1]}/") else r.abort())
             page.goto(f"http://127.0.0.1:{server.server_address[1]}/index.html", wait_until="load")

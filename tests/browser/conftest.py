@@ -80,7 +80,7 @@ def browser():
 def browser_context(browser):
     """A browser context with no service workers and a fixed viewport."""
     context = browser.new_context(service_workers="block", viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(20_000)
+    context.set_default_timeout(90_000)  # generous: a busy 2-core machine is slow
     try:
         yield context
     finally:
