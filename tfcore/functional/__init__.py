@@ -44,6 +44,10 @@ from .activations import (  # noqa: F401
     gelu_forward,
     gelu_backward,
     GELU_APPROXIMATIONS,
+    silu_forward,
+    silu_backward,
+    swiglu_forward,
+    swiglu_backward,
 )
 from .normalization import (  # noqa: F401
     layernorm_forward,
@@ -56,4 +60,17 @@ from .regularization import (  # noqa: F401
     dropout_backward,
     residual_forward,
     residual_backward,
+)
+from .attention import (  # noqa: F401
+    attention_forward,
+    attention_backward,
+    split_heads,
+    merge_heads,
+    qkv_split,
+    qkv_merge_grads,
+)
+from .rope import (  # noqa: F401
+    rope_tables,
+    rope_forward,
+    rope_backward,
 )

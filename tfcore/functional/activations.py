@@ -104,3 +104,79 @@ def gelu_backward(dy, cache):
         grad += t
     grad *= dy
     return grad
+
+
+# --------------------------------------------------------------------------------------
+# SiLU and SwiGLU (the gated feed-forward of a Llama-style block)
+
+from ._upstream import check_upstream  # noqa: E402  (kept beside the ops that use it)
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x| <= 0.
+
+    For x >= 0 it is 1 / (1 + e), for x < 0 it is e / (1 + e), with e = exp(-|x|) in (0, 1].
+    x [...]  ->  [...] (a new array)
+    """
+    xp = namespace(x)
+    e = xp.exp(-xp.abs(x))
+    denominator = e + 1.0
+    return xp.where(x >= 0, 1.0 / denominator, e / denominator)
+
+
+def _silu_derivative(x, sig):
+    """silu'(x) = sigmoid(x) (1 + x (1 - sigmoid(x))), in the buffer of a new array."""
+    grad = 1.0 - sig
+    grad *= x
+    grad += 1.0
+    grad *= sig
+    return grad
+
+
+def silu_forward(x):
+    """silu(x) = x * sigmoid(x) (also called swish).   x [...]  ->  y [...]; the cache is x."""
+    checks.float_inputs(x=x)
+    y = _sigmoid(x)
+    y *= x
+    return y, (x, tuple(y.shape), checks.dtype_name(y))
+
+
+def silu_backward(dy, cache):
+    """dx = dy * sigmoid(x) (1 + x (1 - sigmoid(x))); the sigmoid is recomputed from x.
+
+    dy [...]  ->  dx [...]
+    """
+    x, shape, dtype = cache
+    check_upstream("dy", dy, shape, dtype, x)
+    grad = _silu_derivative(x, _sigmoid(x))
+    grad *= dy
+    return grad
+
+
+def swiglu_forward(a, b):
+    """y = silu(a) * b: the gated unit of a SwiGLU feed-forward (a = x W_gate, b = x W_fc).
+
+    a [..., F], b [..., F]  ->  y [..., F]; the cache is (a, b).
+    """
+    checks.float_inputs(a=a, b=b)
+    checks.shape("b", b, tuple(a.shape))
+    y = _sigmoid(a)
+    y *= a
+    y *= b
+    return y, (a, b, tuple(y.shape), checks.dtype_name(y))
+
+
+def swiglu_backward(dy, cache):
+    """da = dy * b * silu'(a),  db = dy * silu(a); the sigmoid of a is recomputed.
+
+    dy [..., F]  ->  da [..., F], db [..., F]
+    """
+    a, b, shape, dtype = cache
+    check_upstream("dy", dy, shape, dtype, a)
+    sig = _sigmoid(a)
+    db = sig * a
+    db *= dy                        # dy * silu(a)
+    da = _silu_derivative(a, sig)
+    da *= b
+    da *= dy
+    return da, db

@@ -1,0 +1,216 @@
+"""The Transformer block shared by the decoder LM and the post-norm autoencoder.
+
+A block is two residual sublayers, attention then MLP, with the normalization placed
+
+* pre-norm  (GPT-2, Llama):           x1 = x + f_attn(norm1(x));   y = x1 + f_mlp(norm2(x1))
+* post-norm (the original Transformer): x1 = norm1(x + f_attn(x));  y = norm2(x1 + f_mlp(x1))
+
+where each f ends in dropout of its output (the residual branch). Forward functions return
+(out, cache) like the op pairs; backward functions call the op pairs' backwards explicitly,
+in the reverse order, add parameter gradients into the gradient views and return dx.
+
+Shape letters: B batch, S sequence (S_k keys, more than S with a KV cache), D width, H heads,
+D_h = D / H, F the MLP width.
+
+Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b`` ``attn.qkv.W`` [D, 3D]
+``attn.qkv.b`` [3D] ``attn.proj.W`` [D, D] ``attn.proj.b`` [D] ``ln2.g`` ``ln2.b``
+``mlp.fc.W`` [D, F] ``mlp.fc.b`` [F] (SwiGLU: also ``mlp.gate.W`` [D, F] ``mlp.gate.b`` [F])
+``mlp.proj.W`` [F, D] ``mlp.proj.b`` [D]; ``.b`` only with biases, ``ln*.b`` only for LayerNorm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import functional as F
+from .. import nn
+from ..functional.activations import swiglu_backward, swiglu_forward
+from ..functional.attention import (
+    attention_backward,
+    attention_forward,
+    merge_heads,
+    qkv_merge_grads,
+    qkv_split,
+    split_heads,
+)
+from ..functional.rope import rope_backward, rope_forward
+
+MLPS = ("gelu", "relu", "swiglu")
+PLACEMENTS = ("pre", "post")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What a block needs to know (each model builds one from its config)."""
+
+    d_model: int
+    n_heads: int
+    d_ff: int
+    norm: str = "layernorm"          # "layernorm" | "rmsnorm"
+    placement: str = "pre"           # "pre" | "post"
+    mlp: str = "gelu"                # "gelu" | "relu" | "swiglu"
+    bias: bool = True
+    dropout: float = 0.0
+    eps: float = 1e-5
+    causal: bool = True
+    gelu_approximate: str = "tanh"
+
+
+def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of one block's parameters, in buffer order."""
+    D, F_ = spec.d_model, spec.d_ff
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def norm(name):
+        shapes[f"{prefix}.{name}.g"] = (D,)
+        if spec.norm == "layernorm":
+            shapes[f"{prefix}.{name}.b"] = (D,)
+
+    def linear(name, d_in, d_out):
+        shapes[f"{prefix}.{name}.W"] = (d_in, d_out)
+        if spec.bias:
+            shapes[f"{prefix}.{name}.b"] = (d_out,)
+
+    norm("ln1")
+    linear("attn.qkv", D, 3 * D)
+    linear("attn.proj", D, D)
+    norm("ln2")
+    linear("mlp.fc", D, F_)
+    if spec.mlp == "swiglu":
+        linear("mlp.gate", D, F_)
+    linear("mlp.proj", F_, D)
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------
+# Attention sublayer: qkv = x W_qkv + b; q, k, v = split; (rotary on q, k); a = attention;
+# out = dropout(merge(a) W_proj + b)
+
+
+def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, training=False,
+                               kv=None, pos=0):
+    """x [B, S, D] -> out [B, S, D].
+
+    rope: (cos, sin) tables [S, D_h/2] for the positions of x, or None.
+    kv: (k_cache, v_cache) each [B, H, S_max, D_h] to write this call's keys and values into at
+    positions pos..pos+S-1 and attend over positions 0..pos+S-1 (generation); None otherwise.
+    """
+    qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, 3D]
+    q, k, v = qkv_split(qkv, spec.n_heads)                              # [B, H, S, D_h] each
+    c_rope_q = c_rope_k = None
+    if rope is not None:
+        q, c_rope_q = rope_forward(q, *rope)                            # [B, H, S, D_h]
+        k, c_rope_k = rope_forward(k, *rope)                            # [B, H, S, D_h]
+    if kv is not None:
+        k_cache, v_cache = kv                                           # [B, H, S_max, D_h]
+        end = pos + x.shape[1]
+        k_cache[:, :, pos:end, :] = k
+        v_cache[:, :, pos:end, :] = v
+        k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H, S_k, D_h]
+    a, c_att = attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
+                                 rng=rng, training=training)            # [B, H, S, D_h]
+    merged = merge_heads(a)                                             # [B, S, D]
+    out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
+    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
+    return out, (c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
+
+
+def attention_sublayer_backward(params, prefix, dout, cache, spec):
+    """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv, d b_qkv, d W_proj, d b_proj."""
+    c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
+    dout = F.dropout_backward(dout, c_drop)                             # [B, S, D]
+    dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
+    da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
+    dq, dk, dv = attention_backward(da, c_att)                          # [B, H, S, D_h] each
+    if c_rope_q is not None:
+        dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
+        dk = rope_backward(dk, c_rope_k)
+    dqkv = qkv_merge_grads(dq, dk, dv)                                  # [B, S, 3D]
+    return nn.linear_backward(params, prefix + ".qkv", dqkv, c_qkv)     # [B, S, D]
+
+
+# ---------------------------------------------------------------------------------------
+# MLP sublayer: out = dropout(act(x W_fc + b_fc) W_proj + b_proj), or with SwiGLU
+# out = dropout((silu(x W_gate + b_gate) * (x W_fc + b_fc)) W_proj + b_proj)
+
+
+def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
+    """x [B, S, D] -> out [B, S, D] through a hidden layer [B, S, F]."""
+    up, c_fc = nn.linear_forward(params, prefix + ".fc", x)             # [B, S, F]
+    if spec.mlp == "swiglu":
+        gate, c_gate = nn.linear_forward(params, prefix + ".gate", x)   # [B, S, F]
+        hidden, c_act = swiglu_forward(gate, up)                        # silu(gate) * up [B, S, F]
+    elif spec.mlp == "gelu":
+        c_gate = None
+        hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)       # [B, S, F]
+    else:
+        c_gate = None
+        hidden, c_act = F.relu_forward(up)                              # [B, S, F]
+    out, c_proj = nn.linear_forward(params, prefix + ".proj", hidden)   # [B, S, D]
+    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)
+    return out, (c_fc, c_gate, c_act, c_proj, c_drop)
+
+
+def mlp_sublayer_backward(params, prefix, dout, cache, spec):
+    """dout [B, S, D] -> dx [B, S, D]; adds the gradients of fc, (gate,) proj."""
+    c_fc, c_gate, c_act, c_proj, c_drop = cache
+    dout = F.dropout_backward(dout, c_drop)
+    dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, F]
+    if spec.mlp == "swiglu":
+        dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
+        dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
+        return dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc)
+    if spec.mlp == "gelu":
+        dup = F.gelu_backward(dhidden, c_act)
+    else:
+        dup = F.relu_backward(dhidden, c_act)
+    return nn.linear_backward(params, prefix + ".fc", dup, c_fc)        # [B, S, D]
+
+
+# ---------------------------------------------------------------------------------------
+# The block
+
+
+def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=False, kv=None,
+                  pos=0):
+    """x [B, S, D] -> y [B, S, D] (pre-norm or post-norm, see the module docstring)."""
+    attn = dict(rope=rope, rng=rng, training=training, kv=kv, pos=pos)
+    if spec.placement == "pre":
+        h, c_ln1 = nn.norm_forward(params, prefix + ".ln1", x, spec.norm, spec.eps)
+        a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
+        x1, _ = F.residual_forward(x, a)                                # x + attn(norm1(x))
+        h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
+        m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", h, spec, rng=rng,
+                                        training=training)
+        y, _ = F.residual_forward(x1, m)                                # x1 + mlp(norm2(x1))
+    else:
+        a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
+        s1, _ = F.residual_forward(x, a)
+        x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
+        m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", x1, spec, rng=rng,
+                                        training=training)
+        s2, _ = F.residual_forward(x1, m)
+        y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
+    return y, (c_ln1, c_attn, c_ln2, c_mlp)
+
+
+def block_backward(params, prefix, dy, cache, spec):
+    """dy [B, S, D] -> dx [B, S, D]: the forward's op pairs in reverse order.
+
+    The residual sum hands its gradient to both the skip and the branch unchanged, so each
+    skip gradient is added to the branch's result (out of place: residual_backward returns
+    one array for both).
+    """
+    c_ln1, c_attn, c_ln2, c_mlp = cache
+    if spec.placement == "pre":
+        dx1, dm = F.residual_backward(dy)                               # y = x1 + m
+        dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
+        dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
+        dx, da = F.residual_backward(dx1)                               # x1 = x + a
+        dh = attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
+        return dx + nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
+    ds2 = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)     # y = norm2(s2)
+    dx1, dm = F.residual_backward(ds2)                                  # s2 = x1 + m
+    dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
+    ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)    # x1 = norm1(s1)
+    dx, da = F.residual_backward(ds1)                                   # s1 = x + a
+    return dx + attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)

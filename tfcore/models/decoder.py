@@ -1,0 +1,416 @@
+"""The decoder language model (GPT-2 and Llama style), forward to a loss and backward by hand.
+
+    ids [B, S]
+     -> x = wte[ids] (+ wpe[:S] or the sinusoidal table; rotary acts inside attention)
+     -> dropout
+     -> N blocks (pre-norm x + f(norm(x)) or post-norm norm(x + f(x)), see blocks.py)
+     -> final norm lnf (pre-norm only: a post-norm block already ends in a norm)
+     -> logits = x wte^T (tied head) or x head.W + head.b (untied)   [B, S, V]
+     -> mean cross-entropy over the targets that are not -100
+
+`backward()` runs the same ops' backwards in the reverse order and adds every parameter
+gradient into ``params.grad`` (so gradients accumulate over micro-batches until
+``params.zero_grad()``). With a tied head the embedding's gradient receives two
+contributions: the scatter-add of the lookup and the head's x^T dlogits, transposed.
+
+Generation (`generate`) samples greedily (temperature 0), with a temperature, top-k and
+top-p, from a seeded host generator, and by default reuses keys and values through a
+KV cache (`KVCache`); its logits equal the uncached forward's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+
+from .. import backend, checks
+from .. import functional as F
+from .. import nn
+from ..backend import FLOAT_DTYPES
+from ..functional.rope import rope_tables
+from .blocks import MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
+
+POSITIONS = ("learned", "sinusoidal", "rotary")
+IGNORE_INDEX = -100
+
+
+def swiglu_width(d_model: int, multiple_of: int = 256) -> int:
+    """Llama's hidden width for SwiGLU: 2/3 of 4 D (the same parameters as a 4 D MLP with two
+    matrices), rounded up to a multiple of `multiple_of` (4096 -> 11008)."""
+    hidden = int(2 * (4 * d_model) / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class DecoderConfig:
+    """Hyper-parameters of DecoderLM. d_ff=None means 4 * d_model (SwiGLU: swiglu_width).
+
+    head_bias=None means: a bias on the head when it is untied and bias=True (a tied head
+    with a bias, as seed 003 draws it, is head_bias=True). `gelu_approximate` is "tanh"
+    (GPT-2) or "none" (exact erf).
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int | None = None
+    norm: str = "layernorm"
+    norm_placement: str = "pre"
+    position: str = "learned"
+    mlp: str = "gelu"
+    tied_head: bool = True
+    bias: bool = True
+    dropout: float = 0.0
+    eps: float = 1e-5
+    dtype: str = "float64"
+    head_bias: bool | None = None
+    rope_base: float = 10000.0
+    gelu_approximate: str = "tanh"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.d_ff is None and isinstance(self.d_model, int):
+            self.d_ff = swiglu_width(self.d_model) if self.mlp == "swiglu" else 4 * self.d_model
+        if self.head_bias is None:
+            self.head_bias = bool(self.bias and not self.tied_head)
+
+    @classmethod
+    def llama(cls, vocab_size: int, max_seq_len: int, d_model: int, n_layers: int, n_heads: int,
+              d_ff: int | None = None, multiple_of: int = 256, **overrides) -> "DecoderConfig":
+        """Llama's choices: RMSNorm, rotary positions, SwiGLU, no biases, an untied head."""
+        settings = dict(norm="rmsnorm", norm_placement="pre", position="rotary", mlp="swiglu",
+                        tied_head=False, bias=False, head_bias=False, eps=1e-5)
+        settings.update(overrides)
+        if d_ff is None:
+            d_ff = swiglu_width(d_model, multiple_of)
+        return cls(vocab_size, max_seq_len, d_model, n_layers, n_heads, d_ff=d_ff, **settings)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> "DecoderConfig":
+        """Raise ValueError naming the first inconsistent setting; return self when all is well."""
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): "
+                "each head takes d_model / n_heads columns")
+        choices = dict(norm=("layernorm", "rmsnorm"), norm_placement=PLACEMENTS,
+                       position=POSITIONS, mlp=MLPS, dtype=FLOAT_DTYPES,
+                       gelu_approximate=F.GELU_APPROXIMATIONS)
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.position == "rotary" and self.head_dim % 2:
+            raise ValueError(
+                f"rotary positions rotate pairs of columns, so the head dimension d_model / "
+                f"n_heads must be even, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be positive, got {self.eps}")
+        if not self.rope_base > 0:
+            raise ValueError(f"rope_base must be positive, got {self.rope_base}")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be positive, got {self.init_std}")
+        return self
+
+    def block_spec(self) -> BlockSpec:
+        return BlockSpec(d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
+                         norm=self.norm, placement=self.norm_placement, mlp=self.mlp,
+                         bias=self.bias, dropout=self.dropout, eps=self.eps, causal=True,
+                         gelu_approximate=self.gelu_approximate)
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of every parameter, in buffer order (no arrays are allocated)."""
+        D, V = self.d_model, self.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {"wte": (V, D)}
+        if self.position == "learned":
+            shapes["wpe"] = (self.max_seq_len, D)
+        spec = self.block_spec()
+        for i in range(self.n_layers):
+            shapes.update(block_param_shapes(f"h{i}", spec))
+        if self.norm_placement == "pre":
+            shapes["lnf.g"] = (D,)
+            if self.norm == "layernorm":
+                shapes["lnf.b"] = (D,)
+        if not self.tied_head:
+            shapes["head.W"] = (D, V)
+        if self.head_bias:
+            shapes["head.b"] = (V,)
+        return shapes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "DecoderConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown DecoderConfig field(s): {sorted(unknown)}")
+        return cls(**values)
+
+
+class KVCache:
+    """Keys and values of every layer for positions 0..length-1, for generation.
+
+    k[i], v[i]: [B, H, S_max, D_h] each (rotary already applied to the keys); `length` is the
+    number of positions filled. Allocated once; each step writes one more position.
+    """
+
+    def __init__(self, config: DecoderConfig, batch: int):
+        xp = backend.xp()
+        shape = (batch, config.n_heads, config.max_seq_len, config.head_dim)
+        dt = getattr(xp, config.dtype)
+        self.k = [xp.zeros(shape, dtype=dt) for _ in range(config.n_layers)]
+        self.v = [xp.zeros(shape, dtype=dt) for _ in range(config.n_layers)]
+        self.length = 0
+        self.batch = batch
+        self.capacity = config.max_seq_len
+
+
+class DecoderLM:
+    """A decoder-only language model: params in one flat buffer, hand-written backward.
+
+    forward(ids, targets=None, training=False, rng=None) -> (logits [B, S, V], loss or None)
+    backward(dlogits=None): adds every gradient into params.grad (dloss = 1 by default)
+    """
+
+    def __init__(self, config: DecoderConfig):
+        self.config = config.validate()
+        self.params = nn.Parameters(config.param_shapes(), config.dtype)
+        self.spec = config.block_spec()
+        S_max, dt = config.max_seq_len, config.dtype
+        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)    # [S_max, D]
+                            if config.position == "sinusoidal" else None)
+        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)  # [S_max, D_h/2]
+                      if config.position == "rotary" else None)
+        self._cache = None
+
+    # -- parameters --------------------------------------------------------------------
+    def init(self, seed: int = 0) -> "DecoderLM":
+        """GPT-2's initialisation (N(0, init_std^2), residual projections / sqrt(2 L)), seeded."""
+        nn.gpt2_init(self.params, seed, self.config.n_layers, self.config.init_std)
+        return self
+
+    def num_parameters(self) -> int:
+        return self.params.size
+
+    def size_table(self, batch: int, seq: int) -> dict:
+        from .sizes import decoder_sizes
+
+        return decoder_sizes(self.config, batch, seq)
+
+    # -- forward -----------------------------------------------------------------------
+    def _check_ids(self, ids, pos=0):
+        checks.ndim("ids", ids, 2)
+        seq = ids.shape[1]
+        if seq < 1:
+            raise ValueError("ids must hold at least one position, got shape (B, 0)")
+        if pos + seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of length {pos + seq} exceeds max_seq_len={self.config.max_seq_len}")
+
+    def _embed(self, ids, rng, training, pos=0):
+        """ids [B, S] -> x [B, S, D] = dropout(wte[ids] + positions[pos:pos+S])."""
+        seq = ids.shape[1]
+        p = self.params
+        x, c_emb = F.embedding_forward(ids, p["wte"])                      # [B, S, D]
+        c_pos = None
+        if self.config.position == "learned":
+            x, c_pos = F.positional_forward(x, p["wpe"][pos:pos + seq, :])  # [B, S, D]
+        elif self.config.position == "sinusoidal":
+            x, _ = F.positional_forward(x, self._sinusoidal[pos:pos + seq, :])
+        x, c_drop = F.dropout_forward(x, self.config.dropout, rng, training)
+        return x, (c_emb, c_pos, c_drop)
+
+    def _rope_slice(self, pos, seq):
+        if self._rope is None:
+            return None
+        cos, sin = self._rope
+        return cos[pos:pos + seq, :], sin[pos:pos + seq, :]               # [S, D_h/2] each
+
+    def _head(self, x):
+        """x [B, S, D] -> logits [B, S, V]: x wte^T (tied) or x head.W, plus head.b if any."""
+        p = self.params
+        W = p["wte"].T if self.config.tied_head else p["head.W"]            # [D, V]
+        bias = p["head.b"] if "head.b" in p else None
+        return F.linear_forward(x, W, bias)
+
+    def forward(self, ids, targets=None, training: bool = False, rng=None):
+        """ids [B, S] integers in [0, V) -> (logits [B, S, V], loss).
+
+        targets [B, S] integers (or -100 to skip a position); loss is the mean cross-entropy
+        over the counted positions as a 0-d array, or None without targets. training=True
+        turns dropout on, which needs `rng` (tfcore.backend.default_rng(seed)). The caches
+        for backward() are kept until it runs.
+        """
+        self._check_ids(ids)
+        cfg = self.config
+        if training and cfg.dropout > 0 and rng is None:
+            raise ValueError("training with dropout > 0 needs rng=tfcore.backend.default_rng(seed)")
+        seq = ids.shape[1]
+        x, c_embed = self._embed(ids, rng, training)                      # [B, S, D]
+        rope = self._rope_slice(0, seq)
+        c_blocks = []
+        for i in range(cfg.n_layers):
+            x, c = block_forward(self.params, f"h{i}", x, self.spec, rope=rope, rng=rng,
+                                 training=training)                       # [B, S, D]
+            c_blocks.append(c)
+        c_lnf = None
+        if cfg.norm_placement == "pre":
+            x, c_lnf = nn.norm_forward(self.params, "lnf", x, cfg.norm, cfg.eps)
+        logits, c_head = self._head(x)                                    # [B, S, V]
+        loss, c_loss = None, None
+        if targets is not None:
+            checks.shape("targets", targets, tuple(ids.shape))
+            loss, c_loss = F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
+        self._cache = (c_embed, c_blocks, c_lnf, c_head, c_loss, tuple(logits.shape))
+        return logits, loss
+
+    # -- backward ----------------------------------------------------------------------
+    def backward(self, dlogits=None):
+        """Add every parameter's gradient into params.grad (+=), in the reverse order of forward.
+
+        Without arguments: the gradient of the loss of the last forward (which needs
+        targets). With dlogits [B, S, V]: the gradient of sum(dlogits * logits) instead.
+        The forward caches are released afterwards.
+        """
+        if self._cache is None:
+            raise RuntimeError("backward() needs a forward() first (each forward allows one backward)")
+        c_embed, c_blocks, c_lnf, c_head, c_loss, logits_shape = self._cache
+        cfg, p = self.config, self.params
+        if dlogits is None:
+            if c_loss is None:
+                raise RuntimeError("backward() without dlogits needs a forward with targets")
+            dlogits = F.cross_entropy_backward(1.0, c_loss)                # [B, S, V]
+        else:
+            checks.shape("dlogits", dlogits, logits_shape)
+        self._cache = None
+        dx, dW, db = F.linear_backward(dlogits, c_head)                    # dx [B, S, D], dW [D, V]
+        if cfg.tied_head:
+            nn.accumulate(p, "wte", dW.T)                                  # the head's share of wte
+        else:
+            nn.accumulate(p, "head.W", dW)
+        if db is not None:
+            nn.accumulate(p, "head.b", db)
+        if c_lnf is not None:
+            dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+        for i in reversed(range(cfg.n_layers)):
+            dx = block_backward(p, f"h{i}", dx, c_blocks[i], self.spec)  # [B, S, D]
+        c_emb, c_pos, c_drop = c_embed
+        dx = F.dropout_backward(dx, c_drop)
+        if c_pos is not None:
+            dx, dP = F.positional_backward(dx, c_pos)                      # dP [S, D]
+            seq = dP.shape[0]
+            wpe_grad = p.grad_of("wpe")
+            wpe_grad[:seq, :] += dP
+        nn.accumulate(p, "wte", F.embedding_backward(dx, c_emb))          # the lookup's share
+
+    # -- generation --------------------------------------------------------------------
+    def new_kv_cache(self, batch: int) -> KVCache:
+        return KVCache(self.config, batch)
+
+    def forward_with_cache(self, ids, cache: KVCache):
+        """Logits [B, T, V] of T new tokens ids [B, T] at positions cache.length.., attending to
+        every cached position; their keys and values are appended to the cache (no dropout,
+        nothing kept for backward)."""
+        pos = cache.length
+        self._check_ids(ids, pos)
+        if ids.shape[0] != cache.batch:
+            raise ValueError(f"ids has batch {ids.shape[0]} but the cache was made for {cache.batch}")
+        x, _ = self._embed(ids, None, False, pos)                         # [B, T, D]
+        rope = self._rope_slice(pos, ids.shape[1])
+        for i in range(self.config.n_layers):
+            x, _ = block_forward(self.params, f"h{i}", x, self.spec, rope=rope,
+                                 kv=(cache.k[i], cache.v[i]), pos=pos)
+        if self.config.norm_placement == "pre":
+            x, _ = nn.norm_forward(self.params, "lnf", x, self.config.norm, self.config.eps)
+        logits, _ = self._head(x)
+        cache.length = pos + ids.shape[1]
+        return logits
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 use_cache: bool = True):
+        """Continue prompt_ids [B, S0] (or [S0]) by max_new_tokens tokens -> ids [B, S0 + n].
+
+        temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature)
+        restricted to the top_k most likely and/or to the smallest set whose probability
+        reaches top_p, with numpy.random.default_rng(seed) on the host (the same tokens on
+        every backend). Beyond max_seq_len the context slides: the model sees the last
+        max_seq_len tokens (with the cache, it is rebuilt for the new window).
+        """
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        ids = np.asarray(backend.to_numpy(prompt_ids)).astype(np.int64)
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if ids.ndim != 2 or ids.shape[1] < 1:
+            raise ValueError(f"prompt_ids must have shape (B, S0) with S0 >= 1, got {ids.shape}")
+        checks.integer_ids("prompt_ids", ids, self.config.vocab_size)
+        rng = np.random.default_rng(seed)
+        S_max = self.config.max_seq_len
+        cache = None
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits, _ = self.forward(backend.asarray(ids[:, -S_max:]))
+                self._cache = None
+            elif cache is None or cache.length >= S_max:
+                cache = self.new_kv_cache(ids.shape[0])                    # (re)fill the window
+                logits = self.forward_with_cache(backend.asarray(ids[:, -S_max:]), cache)
+            else:
+                logits = self.forward_with_cache(backend.asarray(ids[:, -1:]), cache)
+            last = np.asarray(backend.to_numpy(logits[:, -1, :]), dtype=np.float64)   # [B, V]
+            nxt = sample_next(last, temperature, top_k, top_p, rng)                   # [B]
+            ids = np.concatenate([ids, nxt[:, None]], axis=1)
+        return backend.asarray(ids, dtype="int64")
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p):
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p}")
+
+
+def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,
+                rng: np.random.Generator) -> np.ndarray:
+    """One token per row of logits [B, V] (host float64) -> [B] int64.
+
+    temperature 0: argmax. Otherwise p = softmax(logits / temperature), zeroed outside the
+    top_k largest and outside the smallest prefix (by decreasing p) whose mass reaches
+    top_p (the most likely token always stays), renormalised, sampled by inversion of one
+    uniform draw per row.
+    """
+    if temperature == 0:
+        return np.argmax(logits, axis=-1).astype(np.int64)
+    z = logits / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = np.sort(z, axis=-1)[:, -top_k][:, None]                    # [B, 1]
+        z = np.where(z < kth, -np.inf, z)
+    probs = np.exp(z - z.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")               # [B, V]
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p                  # mass of the better ones
+        keep_sorted = before < top_p                                      # first always kept
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    cdf = np.cumsum(probs, axis=-1)                                       # [B, V]
+    u = rng.random((probs.shape[0], 1)) * cdf[:, -1:]
+    return np.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1).astype(np.int64)

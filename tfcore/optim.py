@@ -1,0 +1,322 @@
+"""Optimizers over one flat parameter buffer: SGD with momentum, Adam, AdamW, clipping, schedule.
+
+A model keeps every parameter in one 1-D array ``params.data`` [N] and every gradient in
+another of the same layout, ``params.grad`` [N] (``tfcore.nn.Parameters``). An optimizer step
+is then a handful of vectorized, in-place operations over the whole model, whatever its
+architecture: no loop over tensors.
+
+The arithmetic lives in two functional cores, ``sgd_update`` and ``adamw_update``, which
+update any 1-D slice in place (so a sharded optimizer, ZeRO-1 for instance, calls them on
+its own slice of the buffers). The classes only keep the state and the hyperparameters.
+
+Adam is seed 002's form, with bias correction (derived in the Training chapter)::
+
+    m_t = beta1 m_{t-1} + (1 - beta1) g_t          v_t = beta2 v_{t-1} + (1 - beta2) g_t^2
+    m^_t = m_t / (1 - beta1^t)                       v^_t = v_t / (1 - beta2^t)
+    theta_t = theta_{t-1} - lr m^_t / (sqrt(v^_t) + eps)
+
+AdamW (Loshchilov and Hutter) adds decoupled weight decay, ``theta <- theta - lr wd theta``,
+applied only where the decay mask is 1 (weight matrices; not biases, norm gains, embeddings).
+"""
+from __future__ import annotations
+
+import math
+
+from . import checks
+from .backend import is_cupy, is_numpy, namespace, to_numpy
+
+
+def _ufunc_library(x):
+    """NumPy or CuPy when x lives there (ufuncs with out=, no temporaries), else None."""
+    if is_numpy(x):
+        import numpy
+
+        return numpy
+    if is_cupy(x):
+        import cupy
+
+        return cupy
+    return None
+
+
+def _check_state(p, g, **state):
+    checks.float_inputs(p=p, g=g, **state)
+    checks.ndim("p", p, 1)
+    for name, x in {"g": g, **state}.items():
+        if x is not None:
+            checks.shape(name, x, (p.shape[0],))
+
+
+def sgd_update(p, g, buf, lr: float, momentum: float = 0.0):
+    """In place: buf <- momentum buf + g, p <- p - lr buf (plain SGD when momentum is 0).
+
+    p, g [N] float; buf [N] (the momentum buffer, zeros before the first step; may be None
+    when momentum is 0). This is PyTorch's form: the first step moves by lr g.
+    """
+    _check_state(p, g, buf=buf)
+    if not momentum >= 0.0:
+        raise ValueError(f"momentum must be >= 0, got {momentum}")
+    if momentum == 0.0:
+        p -= lr * g
+        return
+    if buf is None:
+        raise ValueError("sgd_update with momentum needs a buffer buf of p's shape")
+    buf *= momentum
+    buf += g
+    p -= lr * buf
+
+
+def adamw_update(p, g, m, v, step: int, lr: float, beta1: float = 0.9, beta2: float = 0.999,
+                 eps: float = 1e-8, weight_decay: float = 0.0, decay_mask=None):
+    """One Adam step with decoupled weight decay, in place on p, m and v.
+
+    p, g, m, v [N] float (m and v zeros before the first step); step t >= 1 counts this
+    update; decay_mask [N] of 0/1 in p's dtype, or None to decay every entry. In order:
+
+        p <- p (1 - lr wd mask)                         (decoupled decay; skipped if wd = 0)
+        m <- beta1 m + (1 - beta1) g
+        v <- beta2 v + (1 - beta2) g^2
+        p <- p - (lr / (1 - beta1^t)) m / (sqrt(v / (1 - beta2^t)) + eps)
+
+    The last line is lr m^ / (sqrt(v^) + eps) with the bias corrections folded into
+    scalars, so no array m^ or v^ is ever made. With weight_decay 0 this is seed 002's Adam.
+    One scratch array of size N is the only temporary.
+    """
+    _check_state(p, g, m=m, v=v, decay_mask=decay_mask)
+    if int(step) != step or step < 1:
+        raise ValueError(f"step counts the updates made, starting at 1; got {step}")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {beta}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    lib = _ufunc_library(p)
+    if lib is not None:
+        # NumPy/CuPy: every operation writes into m, v, p or the one scratch array.
+        work = lib.empty_like(p)
+        if weight_decay:
+            if decay_mask is None:
+                p *= 1.0 - lr * weight_decay
+            else:
+                lib.multiply(decay_mask, -lr * weight_decay, out=work)
+                work += 1.0
+                p *= work
+        m *= beta1
+        lib.multiply(g, 1.0 - beta1, out=work)
+        m += work
+        v *= beta2
+        lib.multiply(g, g, out=work)
+        work *= 1.0 - beta2
+        v += work
+        lib.divide(v, bias2, out=work)
+        lib.sqrt(work, out=work)
+        work += eps
+        lib.divide(m, work, out=work)
+        work *= lr / bias1
+        p -= work
+        return
+    # Any other array-API library: the same arithmetic in the same order, with temporaries.
+    xp = namespace(p)
+    if weight_decay:
+        if decay_mask is None:
+            p *= 1.0 - lr * weight_decay
+        else:
+            p *= decay_mask * (-lr * weight_decay) + 1.0
+    m *= beta1
+    m += g * (1.0 - beta1)
+    v *= beta2
+    v += (g * g) * (1.0 - beta2)
+    p -= (m / (xp.sqrt(v / bias2) + eps)) * (lr / bias1)
+
+
+def grad_norm(grad_flat) -> float:
+    """The global L2 norm sqrt(sum g^2) of a flat gradient [N], as a Python float."""
+    xp = namespace(grad_flat)
+    return float(xp.linalg.vector_norm(grad_flat))
+
+
+def clip_grad_norm(grad_flat, max_norm: float) -> float:
+    """Scale the whole flat gradient [N] in place so its global L2 norm is at most max_norm.
+
+    Returns the norm before clipping. As in PyTorch, the factor is
+    max_norm / (norm + 1e-6) when it is below 1 (the 1e-6 guards a zero gradient), so a
+    clipped gradient keeps its direction and has norm just under max_norm.
+    """
+    checks.float_inputs(grad_flat=grad_flat)
+    checks.ndim("grad_flat", grad_flat, 1)
+    checks.positive("max_norm", max_norm)
+    norm = grad_norm(grad_flat)
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"the gradient norm is {norm}: a gradient overflowed or is nan")
+    factor = max_norm / (norm + 1e-6)
+    if factor < 1.0:
+        grad_flat *= factor
+    return norm
+
+
+def warmup_cosine(step: int, max_lr: float, warmup_steps: int, total_steps: int,
+                  min_lr: float = 0.0) -> float:
+    """The learning rate of update number `step` (0-based): linear warmup, then cosine decay.
+
+        step < W:        max_lr (step + 1) / W                       (W = warmup_steps)
+        W <= step <= T:  min_lr + (max_lr - min_lr) (1 + cos(pi (step - W) / (T - W))) / 2
+        step > T:        min_lr                                      (T = total_steps)
+
+    So the first update already moves (lr = max_lr / W), the rate reaches max_lr at step W
+    and min_lr at step T.
+    """
+    if warmup_steps < 0 or total_steps < 1:
+        raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps} "
+                         f"and {total_steps}")
+    if warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must not exceed total_steps "
+                         f"({total_steps})")
+    if not 0 <= min_lr <= max_lr:
+        raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr={min_lr}, max_lr={max_lr}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step > total_steps or total_steps == warmup_steps:
+        return min_lr
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)
+    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+class _Optimizer:
+    """Shared by the optimizers: holds `params` (data [N], grad [N]) and the step count."""
+
+    kind = "optimizer"
+    _buffers: tuple[str, ...] = ()
+    _hyper: tuple[str, ...] = ()
+
+    def __init__(self, params):
+        for attr in ("data", "grad"):
+            if not hasattr(params, attr):
+                raise TypeError(f"an optimizer takes a tfcore.nn.Parameters (with .data and "
+                                f".grad), got {type(params).__name__}")
+        checks.ndim("params.data", params.data, 1)
+        self.params = params
+        self.t = 0  # updates made so far
+
+    def _zeros(self):
+        xp = namespace(self.params.data)
+        return xp.zeros_like(self.params.data)
+
+    def state_dict(self) -> dict:
+        """{'kind', 't', hyperparameters..., buffers...}: scalars and flat arrays [N] only
+        (the arrays are the optimizer's own: copy them before changing them)."""
+        state = {"kind": self.kind, "t": self.t}
+        state.update({name: getattr(self, name) for name in self._hyper})
+        state.update({name: getattr(self, name) for name in self._buffers})
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict: checks everything first, then copies (nothing changes on error)."""
+        if state.get("kind") != self.kind:
+            raise ValueError(f"optimizer state is for {state.get('kind')!r}, not {self.kind!r}")
+        missing = [k for k in ("t", *self._hyper, *self._buffers) if k not in state]
+        if missing:
+            raise ValueError(f"optimizer state lacks {', '.join(missing)}")
+        for name in self._hyper:
+            ours, theirs = getattr(self, name), state[name]
+            if name != "lr" and _as_tuple(ours) != _as_tuple(theirs):
+                raise ValueError(f"optimizer state has {name}={theirs!r}, this optimizer "
+                                 f"{name}={ours!r}")
+        n = self.params.data.shape[0]
+        xp = namespace(self.params.data)
+        arrays = {}
+        for name in self._buffers:
+            host = state[name]
+            if tuple(host.shape) != (n,):
+                raise ValueError(f"optimizer state {name} has shape {tuple(host.shape)}, the "
+                                 f"parameters ({n},)")
+            arrays[name] = host
+        self.t = int(state["t"])
+        self.lr = float(state["lr"])
+        for name, host in arrays.items():
+            getattr(self, name)[...] = xp.asarray(to_numpy(host), dtype=self.params.data.dtype)
+
+
+def _as_tuple(x):
+    return tuple(float(v) for v in x) if isinstance(x, (tuple, list)) else x
+
+
+class SGD(_Optimizer):
+    """SGD with (heavy-ball) momentum over a Parameters: buf <- mu buf + g, p <- p - lr buf."""
+
+    kind = "SGD"
+    _buffers = ("momentum_buffer",)
+    _hyper = ("lr", "momentum")
+
+    def __init__(self, params, lr: float, momentum: float = 0.0):
+        super().__init__(params)
+        checks.positive("lr", lr)
+        if not momentum >= 0:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        self.lr, self.momentum = float(lr), float(momentum)
+        self.momentum_buffer = self._zeros()
+
+    def step(self) -> None:
+        """One update from params.grad, in place on params.data."""
+        self.t += 1
+        sgd_update(self.params.data, self.params.grad, self.momentum_buffer, self.lr,
+                   self.momentum)
+
+
+class AdamW(_Optimizer):
+    """Adam with bias correction and decoupled weight decay over a Parameters.
+
+    weight_decay applies where `decay_mask` is 1; by default `params.decay_mask()` (weight
+    matrices only). `lr` may be changed between steps (a schedule sets it).
+    m, v [N]: the first and second moment estimates, zeros before the first step.
+    """
+
+    kind = "AdamW"
+    _buffers = ("m", "v")
+    _hyper = ("lr", "betas", "eps", "weight_decay")
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, decay_mask=None):
+        super().__init__(params)
+        checks.positive("lr", lr)
+        self.lr, self.betas = float(lr), (float(betas[0]), float(betas[1]))
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+        if self.weight_decay and decay_mask is None:
+            decay_mask = params.decay_mask()
+        if decay_mask is not None:
+            checks.shape("decay_mask", decay_mask, tuple(params.data.shape))
+            xp = namespace(params.data)
+            decay_mask = xp.astype(decay_mask, params.data.dtype)
+        self.decay_mask = decay_mask
+        self.m = self._zeros()
+        self.v = self._zeros()
+        if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        if not self.eps > 0 or not self.weight_decay >= 0:
+            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {eps}, {weight_decay}")
+
+    def step(self) -> None:
+        """One update from params.grad, in place on params.data, m and v."""
+        self.t += 1
+        adamw_update(self.params.data, self.params.grad, self.m, self.v, self.t, self.lr,
+                     self.betas[0], self.betas[1], self.eps, self.weight_decay,
+                     self.decay_mask)
+
+
+class Adam(AdamW):
+    """Seed 002's Adam: bias-corrected, no weight decay (AdamW with weight_decay 0)."""
+
+    kind = "Adam"
+    _hyper = ("lr", "betas", "eps")
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+
+
+OPTIMIZERS = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}
