@@ -120,15 +120,30 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def asarray(x, dtype: str | None = None):
+def dtype_name(dtype) -> str:
+    """The name of a dtype given as a string, a NumPy type or dtype, or any backend's dtype object.
+
+    'float32', np.float32, np.dtype('float32') and array_api_strict.float32 all give 'float32'.
+    """
+    if isinstance(dtype, str):
+        return dtype
+    if isinstance(dtype, (type, np.dtype)):
+        return np.dtype(dtype).name
+    return str(dtype).rsplit(".", 1)[-1].removeprefix("dtype('").removesuffix("')")
+
+
+def asarray(x, dtype=None):
     """Put `x` (a list, a NumPy array, or any backend's array) on the selected backend.
 
-    `dtype` is a name: 'float32', 'float64', 'int64', 'bool', ...
+    `dtype` is a name ('float32', 'float64', 'int64', 'bool', ...) or a dtype object
+    (np.float32, the backend's xp.float32).
     """
     ns = xp()
     host = to_numpy(x)
+    if isinstance(host, np.ma.MaskedArray):
+        raise TypeError("masked arrays are not supported, pass x.filled(...) or x.data")
     if dtype is not None:
-        host = host.astype(dtype, copy=False)
+        host = host.astype(dtype_name(dtype), copy=False)
     return ns.asarray(host)
 
 
@@ -144,9 +159,9 @@ def default_rng(seed: int | None = None):
 def uniform(rng, shape: tuple[int, ...], like):
     """Uniform numbers in [0, 1) of `shape`, on the same library as the array `like`."""
     draws = rng.random(shape)
-    if is_numpy(like) or is_cupy(like):
+    if (is_numpy(like) and is_numpy(draws)) or (is_cupy(like) and is_cupy(draws)):
         return draws
-    return namespace(like).asarray(to_numpy(draws))
+    return namespace(like).asarray(to_numpy(draws))  # a generator of another library
 
 
 def erf(x):

@@ -9,6 +9,28 @@ The contract every pair follows:
   are *returned*, never stored: a module that owns parameters adds them into its own
   gradient buffers with ``+=``, so tied and shared weights just work.
 
+Bad input is refused, never guessed at: every forward checks its arrays (an array of the
+array API, float32/float64 where floats are expected, one dtype and one library for all of
+them, shapes, integer ids in range, no masked arrays) and its settings, and every backward
+checks its upstream gradient against what the forward produced (shape, dtype and library),
+raising TypeError or ValueError with a message that names the argument. An empty batch (a
+zero-size leading axis) gives an empty, correct result; a zero width (D, K or V of 0) is an
+error; float16 is refused (use float32 or float64).
+
+Memory shared between inputs, outputs, caches and gradients (no op copies to protect you):
+
+* Caches hold references, not copies: linear keeps x and W, GELU keeps x, embedding keeps
+  a view of the ids, softmax and log-softmax return their output itself as the cache, and
+  layernorm/rmsnorm keep their gain. So between a forward and its backward, do not edit in
+  place the forward's inputs, its output, or anything in its cache: the gradient would
+  silently change. Copy first (``xp.asarray(y, copy=True)``) if you must edit.
+* Some outputs *are* inputs: dropout at eval (training=False or p == 0) returns x itself.
+* Some gradients *are* the upstream gradient: ``residual_backward`` returns dy twice,
+  ``positional_backward`` returns dy as dx, and ``dropout_backward`` at eval returns dy.
+  Add them into other gradients out of place; never update one of them in place.
+* Every other output and gradient is a new array, and no op writes into its arguments:
+  forwards never modify their inputs, backwards never modify dout or the cache.
+
 Shape letters: B batch, S sequence, D width, D_in/D_out a linear layer's widths, V the
 vocabulary (or number of classes), "..." any leading shape, N the number of rows once
 the leading axes are flattened. The book proves every backward formula here, one

@@ -8,17 +8,21 @@ from ..backend import namespace
 
 
 def relu_forward(x):
-    """y = max(x, 0).   x [...]  ->  y [...]; the cache is the boolean mask x > 0."""
-    checks.float_inputs(x=x)
-    xp = namespace(x)
-    return xp.maximum(x, 0.0), x > 0
+    """y = max(x, 0).   x [...]  ->  y [...]; the cache is the boolean mask x > 0 and x's dtype."""
+    xp = checks.float_inputs(x=x)
+    return xp.maximum(x, 0.0), (x > 0, x.dtype)
 
 
-def relu_backward(dy, positive):
-    """dx = dy where x > 0, else 0 (the derivative at exactly 0 is taken as 0)."""
+def relu_backward(dy, cache):
+    """dx = dy where x > 0, else exactly 0 (also where dy is inf or nan; at x = 0 the slope is 0)."""
+    positive, dtype = cache
+    checks.upstream("dy", dy, tuple(positive.shape), dtype, namespace(positive))
     xp = namespace(dy)
     dx = xp.astype(positive, dy.dtype)  # a multiply by the 0/1 mask is several times faster than where()
     dx *= dy
+    # ... but 0 * inf and 0 * nan are nan: only then (one sum tells) take the exact, slower where()
+    if bool(xp.isnan(xp.sum(dx))):
+        dx = xp.where(positive, dy, xp.zeros((), dtype=dy.dtype))
     return dx
 
 
@@ -55,9 +59,10 @@ def gelu_forward(x, approximate: str = "none"):
 
     exact: Phi(x) = (1 + erf(x / sqrt 2)) / 2
     tanh:  0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    x [...]  ->  y [...]; the cache is x.
+    x [...]  ->  y [...]; the cache is x itself (not a copy) and the form.
     """
     checks.float_inputs(x=x)
+    checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
     if approximate == "none":
         y = _normal_cdf(x)                  # Phi(x)
         y *= x
@@ -79,6 +84,7 @@ def gelu_backward(dy, cache):
     dy [...]  ->  dx [...]
     """
     x, approximate = cache
+    checks.upstream_like("dy", dy, x)
     xp = namespace(dy, x)
     if approximate == "none":
         grad = x * x

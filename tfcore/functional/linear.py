@@ -10,15 +10,18 @@ def linear_forward(x, W, b=None):
     """y = x @ W + b.
 
     x [..., D_in], W [D_in, D_out], b [D_out] or None  ->  y [..., D_out]
+    D_in and D_out must be at least 1; an empty batch (N = 0 rows) gives an empty y.
+    The cache keeps x and W themselves (no copies): see the package docstring.
     """
-    checks.float_inputs(x=x, W=W, b=b)
+    xp = checks.float_inputs(x=x, W=W, b=b)
     checks.ndim("W", W, 2)
     checks.min_ndim("x", x, 1)
     d_in, d_out = W.shape
+    checks.width("W", W, "D_out")
+    checks.width("x", x, "D_in")
     checks.shape("x", x, (None,) * (x.ndim - 1) + (d_in,))
     if b is not None:
         checks.shape("b", b, (d_out,))
-    xp = namespace(x, W, b)
     y = xp.reshape(_flat_rows(x, d_in) @ W, tuple(x.shape[:-1]) + (d_out,))  # one GEMM [N, D_in] @ [D_in, D_out]
     if b is not None:
         y += b
@@ -32,6 +35,7 @@ def linear_backward(dy, cache):
     """
     x, W, has_bias = cache
     d_in, d_out = W.shape
+    checks.upstream("dy", dy, tuple(x.shape[:-1]) + (d_out,), x.dtype, namespace(x))
     xp = namespace(dy, W)
     dy_rows = _flat_rows(dy, d_out)                                    # [N, D_out]
     dx = xp.reshape(dy_rows @ W.T, tuple(x.shape))                    # [N, D_in] -> [..., D_in]

@@ -8,41 +8,57 @@ from ..backend import namespace
 def dropout_forward(x, p: float, rng=None, training: bool = True):
     """Inverted dropout: keep each entry with probability 1 - p and scale it by 1 / (1 - p).
 
-    E[y] = x, so evaluation needs no rescaling: with training=False (or p == 0) it is the identity.
-    `rng` comes from tfcore.backend.default_rng(seed); the same seed gives the same mask.
-    x [...]  ->  y [...]; the cache is the boolean keep-mask and the scale (None at eval).
+    E[y] = x, so evaluation needs no rescaling: with training=False (or p == 0) it is the
+    identity and returns x itself (not a copy).
+    `rng` is a generator from tfcore.backend.default_rng(seed); the same seed gives the same
+    mask. An int seed is rejected, not taken as a convenience: re-seeding at every call would
+    drop the same entries at every step.
+    x [...]  ->  y [...]; the cache: the boolean keep-mask (None at eval), the scale, and
+    x's shape, dtype and library for the backward's check.
     """
-    checks.float_inputs(x=x)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability p must lie in [0, 1), got {p}")
+    xp = checks.float_inputs(x=x)
+    p = checks.probability("p", p)
+    training = checks.boolean("training", training)
+    like = (tuple(x.shape), x.dtype, xp)
     if not training or p == 0.0:
-        return x, None
+        return x, (None, 1.0, like)
     if rng is None:
         raise ValueError("dropout in training needs an rng: pass tfcore.backend.default_rng(seed)")
-    xp = namespace(x)
+    if not callable(getattr(rng, "random", None)):
+        raise TypeError(
+            f"rng must be a generator from tfcore.backend.default_rng(seed), got "
+            f"{type(rng).__name__} {rng!r} (a seed would repeat one mask at every call)"
+        )
     keep = backend.uniform(rng, tuple(x.shape), like=x) >= p
     scale = 1.0 / (1.0 - p)
     y = xp.astype(keep, x.dtype)
     y *= x * scale
-    return y, (keep, scale)
+    return y, (keep, scale, like)
 
 
 def dropout_backward(dy, cache):
-    """dx = dy * keep / (1 - p): the same mask and scale as the forward pass (identity at eval)."""
-    if cache is None:
+    """dx = dy * keep / (1 - p): the same mask and scale as the forward pass.
+
+    At eval (or p == 0) the identity: returns dy itself (not a copy).
+    """
+    keep, scale, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
+    if keep is None:
         return dy
-    keep, scale = cache
-    xp = namespace(dy)
     dx = xp.astype(keep, dy.dtype)
     dx *= dy * scale
     return dx
 
 
 def residual_forward(x, fx):
-    """y = x + f(x): the skip connection.   x [...], fx [...] (same shape)  ->  y [...]"""
-    checks.float_inputs(x=x, fx=fx)
+    """y = x + f(x): the skip connection.   x [...], fx [...] (same shape)  ->  y [...]
+
+    The cache records y's shape, dtype and library, for the backward's check.
+    """
+    xp = checks.float_inputs(x=x, fx=fx)
     checks.shape("fx", fx, tuple(x.shape))
-    return x + fx, None
+    y = x + fx
+    return y, (tuple(y.shape), y.dtype, xp)
 
 
 def residual_backward(dy, cache=None):
@@ -50,5 +66,11 @@ def residual_backward(dy, cache=None):
 
     Both are `dy` itself, not copies (the sum costs no memory): add them into other
     gradients out of place, never with an in-place update of one branch.
+    With the forward's cache, dy is checked against y; without one (cache=None), only that
+    dy is a float array.
     """
+    if cache is None:
+        checks.float_inputs(dy=dy)
+    else:
+        checks.upstream("dy", dy, *cache)
     return dy, dy

@@ -8,15 +8,28 @@ from ..backend import namespace
 from ._common import _flat_rows
 
 
-def causal_mask(length: int, dtype: str = "float64"):
+def causal_mask(length: int, dtype="float64"):
     """The additive causal mask, 0 on and below the diagonal and -inf above it.
 
+    length an integer >= 1; dtype 'float32' / 'float64' or the backend's float dtype object.
     -> mask [length, length]; one table broadcast over batch and heads, never one per batch.
     """
+    length = checks.integer("length", length, least=1)
     xp = backend.xp()
+    dt = checks.float_dtype("dtype", dtype, xp)
     rows = xp.arange(length)[:, None]
     cols = xp.arange(length)[None, :]
-    return xp.where(cols > rows, xp.asarray(-math.inf, dtype=getattr(xp, dtype)), xp.asarray(0.0, dtype=getattr(xp, dtype)))
+    return xp.where(cols > rows, xp.asarray(-math.inf, dtype=dt), xp.asarray(0.0, dtype=dt))
+
+
+def _check_rows(name, z, m):
+    """m = max of z (plus mask) over the last axis; a row that is all -inf has no softmax."""
+    xp = namespace(m)
+    if bool(xp.any(m == -math.inf)):
+        raise ValueError(
+            f"{name} has a row whose entries are all -inf: its softmax is 0/0; "
+            "keep at least one finite entry per row (mask with -inf, never every entry)"
+        )
 
 
 def _check_mask(mask, z):
@@ -36,13 +49,17 @@ def softmax_forward(z, mask=None):
     """s = softmax(z + mask) along the last axis, shifted by the row maximum so exp never overflows.
 
     z [..., K]; mask (optional) broadcastable to z: 0 keeps, -inf masks  ->  s [..., K]
+    K must be at least 1; an empty batch gives an empty s. A row that is all -inf (after
+    the mask) is an error. The cache is s itself: the same array as the output.
     """
-    checks.float_inputs(z=z)
-    xp = namespace(z, mask)
+    xp = checks.float_inputs(z=z)
+    checks.width("z", z, "K")
     if mask is not None:
         _check_mask(mask, z)
         z = z + mask
-    e = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
+    m = xp.max(z, axis=-1, keepdims=True)                               # [..., 1]
+    _check_rows("z" if mask is None else "z + mask", z, m)
+    e = xp.exp(z - m)
     e /= xp.sum(e, axis=-1, keepdims=True)
     return e, e
 
@@ -52,6 +69,7 @@ def softmax_backward(ds, s):
 
     ds [..., K], cache s [..., K]  ->  dz [..., K]  (masked entries get 0 because s is 0 there)
     """
+    checks.upstream_like("ds", ds, s)
     xp = namespace(ds, s)
     return s * (ds - xp.sum(ds * s, axis=-1, keepdims=True))
 
@@ -59,11 +77,14 @@ def softmax_backward(ds, s):
 def log_softmax_forward(z):
     """y = z - logsumexp(z) along the last axis, computed as (z - m) - log(sum(exp(z - m))).
 
-    z [..., K]  ->  y [..., K]
+    z [..., K]  ->  y [..., K]; K >= 1, a row of z that is all -inf is an error.
+    The cache is y itself: the same array as the output.
     """
-    checks.float_inputs(z=z)
-    xp = namespace(z)
-    shifted = z - xp.max(z, axis=-1, keepdims=True)
+    xp = checks.float_inputs(z=z)
+    checks.width("z", z, "K")
+    m = xp.max(z, axis=-1, keepdims=True)                               # [..., 1]
+    _check_rows("z", z, m)
+    shifted = z - m
     y = shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
     return y, y
 
@@ -73,6 +94,7 @@ def log_softmax_backward(dy, y):
 
     dy [..., K], cache y [..., K]  ->  dz [..., K]
     """
+    checks.upstream_like("dy", dy, y)
     xp = namespace(dy, y)
     return dy - xp.exp(y) * xp.sum(dy, axis=-1, keepdims=True)
 
@@ -82,20 +104,24 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
 
     logits [..., V] float; labels [...] integers in [0, V) or equal to ignore_index
     ->  loss [] (a 0-d array): the mean over the N_valid labels that are not ignored.
-    With every label ignored there is nothing to average: the loss is 0 and so is the gradient.
+    With every label ignored there is nothing to average: the loss is 0 and so is the gradient
+    (an empty batch likewise). V must be at least 1; ignore_index is an integer.
     """
     checks.float_inputs(logits=logits)
-    checks.min_ndim("logits", logits, 1)
-    vocab = logits.shape[-1]
+    vocab = checks.width("logits", logits, "V")
+    ignore_index = checks.integer("ignore_index", ignore_index)
+    checks.array("labels", labels)
     checks.shape("labels", labels, tuple(logits.shape[:-1]))
     checks.integer_ids("labels", labels, vocab, allowed=ignore_index)
-    xp = namespace(logits, labels)
+    xp = checks.same_library(logits=logits, labels=labels)
     z = _flat_rows(logits, vocab)                                       # [N, V]
     y = xp.astype(xp.reshape(labels, (-1,)), xp.int64, copy=False)      # [N]; wide enough for ignore_index
     valid = y != ignore_index                                           # [N]
     n_valid = int(xp.sum(xp.astype(valid, xp.int64)))
     safe = xp.where(valid, y, xp.zeros_like(y))                         # an ignored row points at class 0, then is zeroed
-    shifted = z - xp.max(z, axis=-1, keepdims=True)                     # [N, V]
+    m = xp.max(z, axis=-1, keepdims=True)                               # [N, 1]
+    _check_rows("logits", z, m)
+    shifted = z - m                                                     # [N, V]
     probs = xp.exp(shifted)
     sum_exp = xp.sum(probs, axis=-1)                                    # [N]
     probs /= sum_exp[:, None]
@@ -111,9 +137,10 @@ def cross_entropy_backward(dloss, cache):
     dloss a scalar (1.0 when the loss is the final output)  ->  dlogits [..., V]
     """
     probs, safe, valid, n_valid, shape = cache
+    dloss = checks.scalar_upstream("dloss", dloss)
     xp = namespace(probs)
     n_rows, vocab = probs.shape
-    weight = xp.astype(valid, probs.dtype) * (float(dloss) / max(n_valid, 1))   # [N]
+    weight = xp.astype(valid, probs.dtype) * (dloss / max(n_valid, 1))          # [N]
     dz = probs * weight[:, None]                                                # [N, V]
     flat = backend.scatter_add(xp.reshape(dz, (-1,)), xp.arange(n_rows) * vocab + safe, -weight)
     return xp.reshape(flat, shape)
@@ -122,15 +149,18 @@ def cross_entropy_backward(dloss, cache):
 def mse_forward(pred, target):
     """loss = mean((pred - target)^2) over every element.
 
-    pred [...], target [...] of the same shape  ->  loss []
+    pred [...], target [...] of the same shape, at least one element  ->  loss []
     """
-    checks.float_inputs(pred=pred, target=target)
+    xp = checks.float_inputs(pred=pred, target=target)
     checks.shape("target", target, tuple(pred.shape))
-    xp = namespace(pred, target)
+    if math.prod(pred.shape) == 0:
+        raise ValueError(f"pred must have at least one element (a mean of none is undefined), "
+                         f"got shape {tuple(pred.shape)}")
     diff = pred - target
     return xp.sum(diff * diff) / math.prod(diff.shape), diff
 
 
 def mse_backward(dloss, diff):
     """dpred = dloss * 2 (pred - target) / (number of elements).   ->  dpred [...]"""
-    return diff * (2.0 * float(dloss) / math.prod(diff.shape))
+    dloss = checks.scalar_upstream("dloss", dloss)
+    return diff * (2.0 * dloss / math.prod(diff.shape))
