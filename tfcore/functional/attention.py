@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .. import checks
+from .. import checks, kernels
 from ..backend import namespace
 from ._upstream import check_upstream
 from .regularization import dropout_backward, dropout_forward
@@ -77,6 +77,9 @@ def attention_forward(
     xp = namespace(q, k, v)
     dtype = q.dtype
     scale = 1.0 / math.sqrt(d_h)
+    if (mask is None and key_padding is None and s_q <= s_k
+            and kernels.applies(q, k, v, contiguous=False)):
+        return kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)
 
     z = xp.matmul(q, xp.matrix_transpose(k))                        # [B, H, S_q, S_k]
     z *= scale
@@ -131,6 +134,8 @@ def attention_backward(dout, cache):
     """
     q, k, v, A, drop, scale, out_shape, out_dtype = cache
     check_upstream("dout", dout, out_shape, out_dtype, q)
+    if kernels.applies(dout, q, k, v, A, contiguous=False) and A.flags.c_contiguous:
+        return kernels.attention_backward(dout, cache)
     xp = namespace(dout, q)
     A_dropped = dropout_backward(A, drop)                           # [B, H, S_q, S_k]
     dv = xp.matmul(xp.matrix_transpose(A_dropped), dout)            # [B, H, S_k, D_v]

@@ -151,22 +151,27 @@ def attention_softmax_backward_(dA, A, scale, causal):
 # -- normalization ----------------------------------------------------------------------
 
 def layernorm_forward(x, gamma, beta, eps):
-    """x [..., D] -> y [..., D], cache (xhat [..., D], rstd [..., 1], gamma)."""
+    """x [..., D] -> y [..., D], cache (xhat [..., D], rstd [..., 1], gamma); None when a row's
+    variance overflows or x is not finite (the reference handles those rows)."""
     d = x.shape[-1]
     y, xhat = np.empty_like(x), np.empty_like(x)
     rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     _k().layernorm_forward(_rows(x, d), gamma, beta, float(eps), _rows(y, d), _rows(xhat, d),
                            rstd.reshape(-1))
+    if np.isnan(rstd).any():
+        return None
     return y, (xhat, rstd, gamma)
 
 
 def rmsnorm_forward(x, gain, eps):
-    """x [..., D] -> y [..., D], cache (xhat [..., D], rrms [..., 1], gain)."""
+    """x [..., D] -> y [..., D], cache (xhat [..., D], rrms [..., 1], gain); None as above."""
     d = x.shape[-1]
     y, xhat = np.empty_like(x), np.empty_like(x)
     rrms = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     _k().rmsnorm_forward(_rows(x, d), gain, float(eps), _rows(y, d), _rows(xhat, d),
                          rrms.reshape(-1))
+    if np.isnan(rrms).any():
+        return None
     return y, (xhat, rrms, gain)
 
 
@@ -258,3 +263,31 @@ def warm_up(dtypes=("float32", "float64")) -> float:
                      np.ones_like(flat))
         embedding_backward(x, labels, (3, 4))
     return time.perf_counter() - start
+
+
+# -- attention: the matmuls stay BLAS; scale, mask and softmax become one in-place pass ------
+
+def attention_forward(q, k, v, causal, scale, dropout_p, rng, training):
+    """attention_forward of tfcore.functional without key_padding or mask (same cache)."""
+    from ..functional.regularization import dropout_forward
+
+    z = np.matmul(q, np.swapaxes(k, -1, -2))                     # [B, H, S_q, S_k]
+    A = attention_softmax_(z, scale, causal)                     # in place: z is now A
+    A_dropped, drop = dropout_forward(A, dropout_p, rng=rng, training=training)
+    out = np.matmul(A_dropped, v)                                # [B, H, S_q, D_v]
+    return out, (q, k, v, A, drop, scale, tuple(out.shape), out.dtype.name)
+
+
+def attention_backward(dout, cache):
+    """attention_backward of tfcore.functional for a cache whose A is a contiguous array."""
+    from ..functional.regularization import dropout_backward
+
+    q, k, v, A, drop, scale, _, _ = cache
+    A_dropped = dropout_backward(A, drop)
+    dv = np.matmul(np.swapaxes(A_dropped, -1, -2), dout)        # [B, H, S_k, D_v]
+    del A_dropped
+    dA = dropout_backward(np.matmul(dout, np.swapaxes(v, -1, -2)), drop)  # a new array
+    dz = attention_softmax_backward_(dA, A, scale, False)        # in place
+    dq = np.matmul(dz, k)                                        # [B, H, S_q, D_h]
+    dk = np.matmul(np.swapaxes(dz, -1, -2), q)                   # [B, H, S_k, D_h]
+    return dq, dk, dv

@@ -152,7 +152,7 @@ def layernorm_forward(x, gamma, beta, eps, y, xhat, rstd):
             var += c * c
         var /= d
         inv = 1.0 / math.sqrt(var + eps)
-        rstd[r] = inv
+        rstd[r] = inv if math.isfinite(var) else np.nan     # the caller falls back
         for j in range(d):
             h = (np.float64(x[r, j]) - mean) * inv
             xhat[r, j] = h
@@ -169,7 +169,7 @@ def rmsnorm_forward(x, gain, eps, y, xhat, rrms):
             v = np.float64(x[r, j])
             ms += v * v
         inv = 1.0 / math.sqrt(ms / d + eps)
-        rrms[r] = inv
+        rrms[r] = inv if math.isfinite(ms) else np.nan      # the caller falls back
         for j in range(d):
             h = np.float64(x[r, j]) * inv
             xhat[r, j] = h
