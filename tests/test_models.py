@@ -3,6 +3,7 @@ the KV cache against the uncached forward, sampling, configs and their errors (f
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 
 import numpy as np
@@ -366,3 +367,22 @@ def test_float32_model_runs_and_stays_float32(rng):
     ref = DecoderLM(tiny(position="rotary")).init(seed=0)
     logits64, _ = ref.forward(ids, targets)
     assert np.max(np.abs(to_numpy(logits) - to_numpy(logits64))) < 1e-5
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_blocks_without_residuals_have_correct_gradients(placement, rng):
+    """The experiment of the block chapter (skips removed) is differentiated correctly too."""
+    model = DecoderLM(tiny(norm_placement=placement))
+    model.spec = replace(model.spec, residual=False)
+    model.init(seed=0)
+    randomize(model.params, rng)
+    ids, targets = batch(rng)
+    loss_fn = _loss_fn(model, ids, targets, False)
+    model.params.zero_grad()
+    loss_fn()
+    model.backward()
+    errors = directional_errors(model.params, loss_fn, rng)
+    assert max(errors.values()) < FD_TOL, errors
+    with_skips = DecoderLM(tiny(norm_placement=placement))
+    with_skips.params.load_flat(model.params.data)
+    assert float(with_skips.forward(ids, targets)[1]) != float(loss_fn())

@@ -132,7 +132,8 @@ class Parameters:
         """Copy a flat array of length P (any backend, or NumPy) into .data, in place."""
         host = backend.to_numpy(flat)
         if host.ndim != 1 or host.shape[0] != self.size:
-            raise ValueError(f"load_flat expects a 1-D array of {self.size} values, got shape {host.shape}")
+            raise ValueError(
+                f"load_flat expects a 1-D array of {self.size} values, got shape {host.shape}")
         if not np.all(np.isfinite(host)):
             raise ValueError("load_flat: the array holds non-finite values (nan or inf)")
         self.data[...] = backend.asarray(host, dtype=self.dtype)

@@ -5,7 +5,9 @@ A block is two residual sublayers, attention then MLP, with the normalization pl
 * pre-norm  (GPT-2, Llama):           x1 = x + f_attn(norm1(x));   y = x1 + f_mlp(norm2(x1))
 * post-norm (the original Transformer): x1 = norm1(x + f_attn(x));  y = norm2(x1 + f_mlp(x1))
 
-where each f ends in dropout of its output (the residual branch). Forward functions return
+where each f ends in dropout of its output (the residual branch). With residual=False the
+skips are dropped (x1 = f_attn(norm1(x)), or x1 = norm1(f_attn(x))): the experiment that
+measures what the skip does for the gradient, not a model anyone trains. Forward functions return
 (out, cache) like the op pairs; backward functions call the op pairs' backwards explicitly,
 in the reverse order, add parameter gradients into the gradient views and return dx.
 
@@ -53,6 +55,7 @@ class BlockSpec:
     eps: float = 1e-5
     causal: bool = True
     gelu_approximate: str = "tanh"
+    residual: bool = True            # False drops both skips (an experiment, not a model)
 
 
 def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
@@ -177,18 +180,18 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
     if spec.placement == "pre":
         h, c_ln1 = nn.norm_forward(params, prefix + ".ln1", x, spec.norm, spec.eps)
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
-        x1, _ = F.residual_forward(x, a)                                # x + attn(norm1(x))
+        x1 = F.residual_forward(x, a)[0] if spec.residual else a        # x + attn(norm1(x))
         h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
         m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", h, spec, rng=rng,
                                         training=training)
-        y, _ = F.residual_forward(x1, m)                                # x1 + mlp(norm2(x1))
+        y = F.residual_forward(x1, m)[0] if spec.residual else m        # x1 + mlp(norm2(x1))
     else:
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
-        s1, _ = F.residual_forward(x, a)
+        s1 = F.residual_forward(x, a)[0] if spec.residual else a        # x + attn(x)
         x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
         m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", x1, spec, rng=rng,
                                         training=training)
-        s2, _ = F.residual_forward(x1, m)
+        s2 = F.residual_forward(x1, m)[0] if spec.residual else m       # x1 + mlp(x1)
         y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
     return y, (c_ln1, c_attn, c_ln2, c_mlp)
 
@@ -201,6 +204,8 @@ def block_backward(params, prefix, dy, cache, spec):
     one array for both).
     """
     c_ln1, c_attn, c_ln2, c_mlp = cache
+    if not spec.residual:
+        return _block_backward_without_skips(params, prefix, dy, cache, spec)
     if spec.placement == "pre":
         dx1, dm = F.residual_backward(dy)                               # y = x1 + m
         dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
@@ -214,3 +219,17 @@ def block_backward(params, prefix, dy, cache, spec):
     ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)    # x1 = norm1(s1)
     dx, da = F.residual_backward(ds1)                                   # s1 = x + a
     return dx + attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
+
+
+def _block_backward_without_skips(params, prefix, dy, cache, spec):
+    """The same chain with the two skips removed: nothing is added back."""
+    c_ln1, c_attn, c_ln2, c_mlp = cache
+    if spec.placement == "pre":
+        dh = mlp_sublayer_backward(params, prefix + ".mlp", dy, c_mlp, spec)
+        dx1 = nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
+        dh = attention_sublayer_backward(params, prefix + ".attn", dx1, c_attn, spec)
+        return nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
+    dm = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)
+    dx1 = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
+    da = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)
+    return attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)

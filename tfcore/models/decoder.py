@@ -285,7 +285,8 @@ class DecoderLM:
         The forward caches are released afterwards.
         """
         if self._cache is None:
-            raise RuntimeError("backward() needs a forward() first (each forward allows one backward)")
+            raise RuntimeError(
+                "backward() needs a forward() first (each forward allows one backward)")
         c_embed, c_blocks, c_lnf, c_head, c_loss, logits_shape = self._cache
         cfg, p = self.config, self.params
         if dlogits is None:
@@ -326,7 +327,8 @@ class DecoderLM:
         pos = cache.length
         self._check_ids(ids, pos)
         if ids.shape[0] != cache.batch:
-            raise ValueError(f"ids has batch {ids.shape[0]} but the cache was made for {cache.batch}")
+            raise ValueError(
+                f"ids has batch {ids.shape[0]} but the cache was made for {cache.batch}")
         x, _ = self._embed(ids, None, False, pos)                         # [B, T, D]
         rope = self._rope_slice(pos, ids.shape[1])
         for i in range(self.config.n_layers):

@@ -1,0 +1,202 @@
+"""How much memory a model takes, as formulas of its config: the single source of truth.
+
+For a batch [B, S] (N = B S rows) each table gives
+
+    parameters          the number of scalars in the flat parameter buffer
+    parameter_bytes     parameters * itemsize
+    gradient_bytes      the same again (one gradient buffer of the same layout)
+    optimizer_bytes     AdamW's two moments m and v: 2 * parameters * itemsize
+    activation_bytes    every array the forward's caches keep alive for backward (training,
+                        with targets), counted once per buffer: a view (the heads of q, k, v
+                        inside the fused qkv output) costs nothing extra
+    kv_cache_bytes      (decoder) the generation cache: k and v [B, H, S_max, D_h] per layer
+
+`held_bytes` measures the last one from the caches themselves; the tests compare the two for
+every variant. The activation formula follows what each op pair keeps (its docstring says):
+
+    linear           its input x                          layernorm / rmsnorm   xhat, 1/std [N, 1]
+    gelu             its input                            relu                  a bool mask
+    swiglu           both inputs a, b                     dropout               a bool keep-mask
+    attention        q, k, v and the probabilities A [B, H, S, S] (and dropout's keep-mask)
+    rope             nothing of x (only the constant tables, not counted)
+    cross-entropy    the probabilities [N, V], the safe labels [N] int64, the valid mask [N]
+The user's ids and targets, the parameters and the constant position tables are not counted.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+INT64_BYTES = 8
+BOOL_BYTES = 1
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _table(n_params: int, dtype: str, activation_bytes: int, **extra) -> dict:
+    f = _itemsize(dtype)
+    table = dict(
+        parameters=n_params,
+        parameter_bytes=n_params * f,
+        gradient_bytes=n_params * f,
+        optimizer_bytes=2 * n_params * f,
+        activation_bytes=activation_bytes,
+    )
+    table.update(extra)
+    table["total_training_bytes"] = (table["parameter_bytes"] + table["gradient_bytes"]
+                                     + table["optimizer_bytes"] + activation_bytes)
+    return table
+
+
+def count_parameters(shapes: dict) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+# ---------------------------------------------------------------------------------------
+# The decoder LM (and the block shared with the autoencoder)
+
+
+def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool) -> int:
+    """Parameters of one block: two norms, fused qkv, the output projection, the MLP."""
+    D, F_ = d_model, d_ff
+    norms = 2 * (2 * D if norm == "layernorm" else D)
+    attention = 3 * D * D + D * D + (3 * D + D if bias else 0)
+    matrices = 3 if mlp == "swiglu" else 2                  # (gate,) fc, proj
+    mlp_params = matrices * D * F_ + ((matrices - 1) * F_ + D if bias else 0)
+    return norms + attention + mlp_params
+
+
+def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype):
+    """Bytes one block's caches keep after a training forward (see the module docstring).
+
+    floats: xhat of both norms and their 1/std, the attention input, the fused qkv output
+    [N, 3D], rotated q and k (rotary: new arrays, v stays a view of qkv), the probabilities
+    [B, H, S, S], the merged heads [N, D], the MLP input and its hidden layer(s):
+    GELU keeps its input and output (2 N F), ReLU its output (N F, and a bool mask),
+    SwiGLU both inputs and the output (3 N F).
+    """
+    N, D, F_ = batch * seq, d_model, d_ff
+    scores = batch * n_heads * seq * seq
+    hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
+    floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores + hidden
+    bools = (scores + 2 * N * D if dropout else 0) + (N * F_ if mlp == "relu" else 0)
+    return floats * _itemsize(dtype) + bools * BOOL_BYTES
+
+
+def decoder_sizes(config, batch: int, seq: int, training: bool = True,
+                  targets: bool = True) -> dict:
+    """The size table of DecoderLM(config) for ids [batch, seq] (see the module docstring).
+
+    training=False leaves out dropout's masks; targets=False the cross-entropy's cache.
+    """
+    c = config
+    D, V, N = c.d_model, c.vocab_size, batch * seq
+    f = _itemsize(c.dtype)
+    n_params = V * D + (c.max_seq_len * D if c.position == "learned" else 0)
+    n_params += c.n_layers * block_param_count(D, c.d_ff, c.norm, c.mlp, c.bias)
+    if c.norm_placement == "pre":
+        n_params += 2 * D if c.norm == "layernorm" else D
+    n_params += (0 if c.tied_head else D * V) + (V if c.head_bias else 0)
+    dropout = training and c.dropout > 0
+    per_block = block_activation_bytes(batch, seq, D, c.n_heads, c.d_ff, c.mlp,
+                                       c.position == "rotary", dropout, c.dtype)
+    # the head's input (pre-norm: also lnf's xhat and 1/std); the embedding's dropout mask
+    final = (2 * N * D + N if c.norm_placement == "pre" else N * D) * f
+    final += N * D * BOOL_BYTES if dropout else 0
+    loss = (N * V * f + N * INT64_BYTES + N * BOOL_BYTES) if targets else 0
+    activations = c.n_layers * per_block + final + loss
+    kv = 2 * c.n_layers * batch * c.max_seq_len * D * f
+    return _table(n_params, c.dtype, activations, activation_bytes_per_layer=per_block,
+                  logits_bytes=N * V * f, kv_cache_bytes=kv)
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring what the caches hold
+
+
+def _root(array):
+    """The array that owns the memory `array` views (array-api-strict wraps a NumPy array)."""
+    a = getattr(array, "_array", array)
+    while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+        a = a.base
+    return a
+
+
+def held_bytes(cache, exclude=()) -> int:
+    """Bytes of the distinct buffers reachable from `cache` (nested tuples, lists, dicts),
+    each buffer counted once however many views of it are held; buffers owned by the arrays
+    in `exclude` (parameters, the user's inputs, constant tables) are not counted."""
+    excluded = {id(_root(a)) for a in exclude if a is not None}
+    roots: dict[int, object] = {}
+
+    def visit(obj):
+        if isinstance(obj, (tuple, list)):
+            for item in obj:
+                visit(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item)
+        elif hasattr(obj, "__array_namespace__") and hasattr(obj, "shape"):
+            root = _root(obj)
+            if id(root) not in excluded:
+                roots[id(root)] = root
+
+    visit(cache)
+    return int(sum(r.nbytes for r in roots.values()))
+
+
+# ---------------------------------------------------------------------------------------
+# Seed 001's encoder classifier and MLP, seed 002's autoencoder
+
+
+def encoder_classifier_sizes(config, batch: int, labels: bool = True) -> dict:
+    """EncoderClassifier(config) on x [batch, n, m].
+
+    activations: the standardized input [B, n, m], hpre2 [B, n+1, d1] (the input of both the
+    qkv and the skip projection), the fused qkv output [B, n+1, 3 d2] (q, k, v are views),
+    the probabilities [B, H, n+1, n+1], the CLS row of h2 [B, d2]; the loss's cache.
+    """
+    c = config
+    B, n, m, d1, d2, k = batch, c.seq_len, c.n_features, c.d_model, c.d_attn, c.n_classes
+    n_params = count_parameters(c.param_shapes())
+    floats = B * n * m + B * (n + 1) * d1 + 3 * B * (n + 1) * d2
+    floats += B * c.n_heads * (n + 1) ** 2 + B * d2
+    activations = floats * _itemsize(c.dtype)
+    if labels:
+        activations += B * k * _itemsize(c.dtype) + B * INT64_BYTES + B * BOOL_BYTES
+    return _table(n_params, c.dtype, activations)
+
+
+def mlp_sizes(config, batch: int, labels: bool = True) -> dict:
+    """MLPClassifier(config) on x [batch, n, m].
+
+    activations: the standardized input [B, n, m], relu's output [B, n, d] (flattened, a view)
+    and its bool mask; the loss's cache.
+    """
+    c = config
+    B, n, m, d, k = batch, c.seq_len, c.n_features, c.d_hidden, c.n_classes
+    n_params = count_parameters(c.param_shapes())
+    activations = (B * n * m + B * n * d) * _itemsize(c.dtype) + B * n * d * BOOL_BYTES
+    if labels:
+        activations += B * k * _itemsize(c.dtype) + B * INT64_BYTES + B * BOOL_BYTES
+    return _table(n_params, c.dtype, activations)
+
+
+def autoencoder_sizes(config, batch: int, seq: int, training: bool = True) -> dict:
+    """Autoencoder(config) on x [batch, seq, width].
+
+    activations: the blocks (post-norm, ReLU, no rotary), the last block's output when an
+    output projection reads it, and the MSE's difference y - target [B, T, width].
+    """
+    c = config
+    N, D = batch * seq, c.d_model
+    f = _itemsize(c.dtype)
+    n_params = count_parameters(c.param_shapes())
+    per_block = block_activation_bytes(batch, seq, D, c.n_heads, c.d_ff, "relu", False,
+                                       training and c.dropout > 0, c.dtype)
+    final = (N * D if c.d_input is not None else 0) + N * c.width
+    activations = c.n_layers * per_block + final * f
+    return _table(n_params, c.dtype, activations, activation_bytes_per_layer=per_block)
