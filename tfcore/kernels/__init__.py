@@ -265,16 +265,120 @@ def warm_up(dtypes=("float32", "float64")) -> float:
     return time.perf_counter() - start
 
 
+# -- batched matmuls: one fork/join for the whole batch ---------------------------------------
+# A batched product [B, H, m, k] @ [B, H, k, n] is B*H small GEMMs. NumPy hands each of them
+# to a multi-threaded BLAS, which forks and joins its threads B*H times; on a busy machine
+# every join waits for the slowest thread, and the attention's products ran 10-25 times
+# slower with 2 BLAS threads than with 1. Here the batch is split over the threads instead
+# (a thread pool, each thread a single-threaded BLAS over its share of the matrices): one
+# fork/join per product.
+
+_pool = None
+_blas = None
+
+
+def _threads() -> int:
+    from numba import get_num_threads
+
+    return get_num_threads()
+
+
+def _blas_libraries():
+    global _blas
+    if _blas is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        except Exception:  # threadpoolctl missing or unable to see the BLAS
+            _blas = []
+    return _blas
+
+
+def batched_matmul(a, b, out=None):
+    """a [B, H, m, k] @ b [B, H, k, n] -> out [B, H, m, n] (out may be a strided view)."""
+    if out is None:
+        out = np.empty(a.shape[:-1] + b.shape[-1:], dtype=np.result_type(a, b))
+    threads = _threads()
+    axis = 0 if a.shape[0] >= threads else 1
+    return _split_matmul(a, b, out, axis, threads)
+
+
+def matmul(a, b, out=None):
+    """a [m, k] @ b [k, n] -> out [m, n], the rows of a split over the threads."""
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+    return _split_matmul(a, b, out, 0, _threads())
+
+
+def _split_matmul(a, b, out, axis, threads):
+    """np.matmul(a, b, out=out) with axis `axis` of a and out split into `threads` parts, each
+    computed by one thread with a single-threaded BLAS (b is shared when it is 2-D)."""
+    global _pool
+    libs = _blas_libraries()
+    if threads < 2 or a.shape[axis] < 2 * threads or not libs:
+        return np.matmul(a, b, out=out)
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tfcore-matmul")
+    size = a.shape[axis]
+    bounds = [(size * t) // threads for t in range(threads + 1)]
+    parts = [(slice(lo, hi),) if axis == 0 else (slice(None), slice(lo, hi))
+             for lo, hi in zip(bounds[:-1], bounds[1:])]
+    shared_b = b.ndim == 2
+    pieces = [(a[p], b if shared_b else b[p], out[p]) for p in parts]
+    saved = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        futures = [_pool.submit(np.matmul, x, y, out=o) for x, y, o in pieces[1:]]
+        np.matmul(*pieces[0][:2], out=pieces[0][2])
+        for f in futures:
+            f.result()
+    finally:
+        for lib, n in zip(libs, saved):
+            lib.set_num_threads(n)
+    return out
+
+
+def linear_forward(x, W, b):
+    """x [..., D_in] @ W [D_in, D_out] + b -> y [..., D_out]: one GEMM over the rows."""
+    d_in, d_out = W.shape
+    y = np.empty(x.shape[:-1] + (d_out,), dtype=x.dtype)
+    matmul(x.reshape(-1, d_in), W, out=y.reshape(-1, d_out))
+    if b is not None:
+        y += b
+    return y
+
+
+def linear_backward(dy, x, W, has_bias):
+    """-> dx = dy W^T [..., D_in], dW = x^T dy [D_in, D_out], db [D_out] or None."""
+    d_in, d_out = W.shape
+    dy_rows = dy.reshape(-1, d_out)                               # [N, D_out]
+    dx = np.empty(x.shape, dtype=dy.dtype)
+    matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))
+    dW = matmul(x.reshape(-1, d_in).T, dy_rows)                   # [D_in, N] @ [N, D_out]
+    db = dy_rows.sum(axis=0) if has_bias else None
+    return dx, dW, db
+
+
 # -- attention: the matmuls stay BLAS; scale, mask and softmax become one in-place pass ------
 
 def attention_forward(q, k, v, causal, scale, dropout_p, rng, training):
-    """attention_forward of tfcore.functional without key_padding or mask (same cache)."""
+    """attention_forward of tfcore.functional without key_padding or mask (same cache).
+
+    The output is written straight into the layout [B, S_q, H, D_v] that merge_heads reads,
+    so merging the heads afterwards is a view, not a copy.
+    """
     from ..functional.regularization import dropout_forward
 
-    z = np.matmul(q, np.swapaxes(k, -1, -2))                     # [B, H, S_q, S_k]
+    z = batched_matmul(q, np.swapaxes(k, -1, -2))                # [B, H, S_q, S_k]
     A = attention_softmax_(z, scale, causal)                     # in place: z is now A
     A_dropped, drop = dropout_forward(A, dropout_p, rng=rng, training=training)
-    out = np.matmul(A_dropped, v)                                # [B, H, S_q, D_v]
+    batch, heads, s_q, _ = A.shape
+    merged = np.empty((batch, s_q, heads, v.shape[-1]), dtype=A.dtype)
+    out = batched_matmul(A_dropped, v, out=np.swapaxes(merged, 1, 2))   # [B, H, S_q, D_v]
     return out, (q, k, v, A, drop, scale, tuple(out.shape), out.dtype.name)
 
 
@@ -284,10 +388,10 @@ def attention_backward(dout, cache):
 
     q, k, v, A, drop, scale, _, _ = cache
     A_dropped = dropout_backward(A, drop)
-    dv = np.matmul(np.swapaxes(A_dropped, -1, -2), dout)        # [B, H, S_k, D_v]
+    dv = batched_matmul(np.swapaxes(A_dropped, -1, -2), dout)   # [B, H, S_k, D_v]
     del A_dropped
-    dA = dropout_backward(np.matmul(dout, np.swapaxes(v, -1, -2)), drop)  # a new array
+    dA = dropout_backward(batched_matmul(dout, np.swapaxes(v, -1, -2)), drop)  # a new array
     dz = attention_softmax_backward_(dA, A, scale, False)        # in place
-    dq = np.matmul(dz, k)                                        # [B, H, S_q, D_h]
-    dk = np.matmul(np.swapaxes(dz, -1, -2), q)                   # [B, H, S_k, D_h]
+    dq = batched_matmul(dz, k)                                   # [B, H, S_q, D_h]
+    dk = batched_matmul(np.swapaxes(dz, -1, -2), q)              # [B, H, S_k, D_h]
     return dq, dk, dv
