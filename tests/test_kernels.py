@@ -274,3 +274,17 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@needs_numba
+def test_fused_qkv_gradient_needs_no_copy(rng):
+    qkv = randn(rng, (2, 6, 3 * 8), "float64")
+    q, k, v = F.qkv_split(qkv, 2)
+    dout = randn(rng, (2, 2, 6, 4), "float64")
+    _, cache = F.attention_forward(q, k, v, causal=True)
+    grads = F.attention_backward(dout, cache)
+    dqkv = F.qkv_merge_grads(*grads)
+    assert np.shares_memory(dqkv, grads[0])              # written in place by the backward
+    with kernels.disabled():
+        reference = F.qkv_merge_grads(*F.attention_backward(dout, cache))
+    assert rel(dqkv, reference) <= 1e-12

@@ -90,6 +90,89 @@ def matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+class MatmulCounter:
+    """While active, counts 2 m n k for every matmul that the linear and attention ops run.
+
+    with MatmulCounter() as count: ...one step...    then count.flops, count.by_kind
+    The ops' own matmuls, listed from their shapes (on any backend): linear forward
+    x W [N, D_in] [D_in, D_out]; backward dy W^T and x^T dy; attention forward q k^T and
+    A v per (batch, head); backward dout v^T, A^T dout, dZ k and dZ^T q.
+    """
+
+    def __init__(self):
+        self.flops = 0
+        self.by_kind: dict[str, int] = {}
+        self._undo = []
+
+    def add(self, kind: str, m: int, k: int, n: int, batch: int = 1):
+        flops = 2 * m * k * n * batch
+        self.flops += flops
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + flops
+
+    def __enter__(self):
+        from . import functional as F
+        from .models import blocks
+
+        lin_f, lin_b = F.linear_forward, F.linear_backward
+        att_f, att_b = F.attention_forward, F.attention_backward
+
+        def linear_forward(x, W, b=None):
+            self.add("linear forward", math.prod(x.shape[:-1]), *W.shape)
+            return lin_f(x, W, b)
+
+        def linear_backward(dy, cache):
+            x, W = cache[0], cache[1]
+            n, (d_in, d_out) = math.prod(x.shape[:-1]), W.shape
+            self.add("linear backward", n, d_out, d_in)              # dx = dy W^T
+            self.add("linear backward", d_in, n, d_out)              # dW = x^T dy
+            return lin_b(dy, cache)
+
+        def attention_forward(q, k, v, *args, **kwargs):
+            b, h, s_q, d_h = q.shape
+            s_k, d_v = k.shape[2], v.shape[3]
+            self.add("attention forward", s_q, d_h, s_k, b * h)      # q k^T
+            self.add("attention forward", s_q, s_k, d_v, b * h)      # A v
+            return att_f(q, k, v, *args, **kwargs)
+
+        def attention_backward(dout, cache):
+            q, k, v = cache[0], cache[1], cache[2]
+            b, h, s_q, d_h = q.shape
+            s_k, d_v = k.shape[2], v.shape[3]
+            self.add("attention backward", s_k, s_q, d_v, b * h)     # dV = A^T dout
+            self.add("attention backward", s_q, d_v, s_k, b * h)     # dA = dout V^T
+            self.add("attention backward", s_q, s_k, d_h, b * h)     # dQ = dZ K
+            self.add("attention backward", s_k, s_q, d_h, b * h)     # dK = dZ^T Q
+            return att_b(dout, cache)
+
+        for mod, name, fn in ((F, "linear_forward", linear_forward),
+                              (F, "linear_backward", linear_backward),
+                              (F, "attention_forward", attention_forward),
+                              (F, "attention_backward", attention_backward),
+                              (blocks, "attention_forward", attention_forward),
+                              (blocks, "attention_backward", attention_backward)):
+            self._undo.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in reversed(self._undo):
+            setattr(mod, name, fn)
+        return False
+
+
+def memory_bandwidth(n_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """GB/s of the best of `repeats` copies of an n_bytes array (read + write counted)."""
+    a = np.ones(n_bytes // 8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.nbytes / best / 1e9
+
+
 # -- memory --------------------------------------------------------------------------------
 
 def _fix_malloc():

@@ -212,6 +212,9 @@ def qkv_merge_grads(dq, dk, dv):
     checks.shape("dk", dk, tuple(dq.shape))
     checks.shape("dv", dv, tuple(dq.shape))
     batch, heads, seq, d_h = dq.shape
+    if kernels.applies(dq, dk, dv, contiguous=False) and (
+            fused := kernels.fused_qkv_grads(dq, dk, dv)) is not None:
+        return fused
     xp = namespace(dq, dk, dv)
     dqkv = xp.empty((batch, seq, 3, heads, d_h), dtype=dq.dtype)
     for index, grad in enumerate((dq, dk, dv)):

@@ -387,11 +387,37 @@ def attention_backward(dout, cache):
     from ..functional.regularization import dropout_backward
 
     q, k, v, A, drop, scale, _, _ = cache
+    batch, heads, s_q, d_h = q.shape
+    s_k, d_v = k.shape[2], v.shape[3]
+    if s_q == s_k and d_v == d_h:
+        # dq, dk, dv are written into one [B, S, 3, H, D_h] buffer, the layout of the fused
+        # qkv projection's gradient: qkv_merge_grads then returns it without a copy
+        dqkv = np.empty((batch, s_q, 3, heads, d_h), dtype=q.dtype)
+        outs = [np.swapaxes(dqkv[:, :, i], 1, 2) for i in range(3)]
+    else:
+        outs = [None, None, None]
     A_dropped = dropout_backward(A, drop)
-    dv = batched_matmul(np.swapaxes(A_dropped, -1, -2), dout)   # [B, H, S_k, D_v]
+    dv = batched_matmul(np.swapaxes(A_dropped, -1, -2), dout, out=outs[2])   # [B, H, S_k, D_v]
     del A_dropped
     dA = dropout_backward(batched_matmul(dout, np.swapaxes(v, -1, -2)), drop)  # a new array
     dz = attention_softmax_backward_(dA, A, scale, False)        # in place
-    dq = batched_matmul(dz, k)                                   # [B, H, S_q, D_h]
-    dk = batched_matmul(np.swapaxes(dz, -1, -2), q)              # [B, H, S_k, D_h]
+    dq = batched_matmul(dz, k, out=outs[0])                      # [B, H, S_q, D_h]
+    dk = batched_matmul(np.swapaxes(dz, -1, -2), q, out=outs[1])  # [B, H, S_k, D_h]
     return dq, dk, dv
+
+
+def fused_qkv_grads(dq, dk, dv):
+    """dqkv [B, S, 3D] when dq, dk, dv are the three views attention_backward wrote into one
+    [B, S, 3, H, D_h] buffer (then no copy is needed), else None."""
+    base = dq.base
+    if base is None or dk.base is not base or dv.base is not base:
+        return None
+    batch, heads, seq, d_h = dq.shape
+    if base.shape != (batch, seq, 3, heads, d_h) or not base.flags.c_contiguous:
+        return None
+    for i, grad in enumerate((dq, dk, dv)):
+        view = np.swapaxes(base[:, :, i], 1, 2)
+        if (grad.shape != view.shape or grad.strides != view.strides
+                or grad.ctypes.data != view.ctypes.data):
+            return None
+    return base.reshape(batch, seq, 3 * heads * d_h)
