@@ -483,13 +483,13 @@ class Profiler:
         return False
 
 
-def profile(name, dtype, steps=5):
+def profile(name, dtype, steps=5, warmup=2):
     cfg, batch, seq = decoder_config(name, dtype)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
     step = TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])
-    step()
-    step()
+    for _ in range(warmup):
+        step()
     with Profiler() as prof:
         start = time.perf_counter()
         for _ in range(steps):
