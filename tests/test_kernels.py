@@ -288,3 +288,14 @@ def test_fused_qkv_gradient_needs_no_copy(rng):
     with kernels.disabled():
         reference = F.qkv_merge_grads(*F.attention_backward(dout, cache))
     assert rel(dqkv, reference) <= 1e-12
+
+
+@needs_numba
+@pytest.mark.parametrize("fast", [True, False])
+def test_gelu_backward_into_out(rng, fast):
+    x, dy = randn(rng, (3, 8), "float64"), randn(rng, (3, 8), "float64")
+    _, cache = F.gelu_forward(x, "tanh")
+    expected = F.gelu_backward(dy, cache)
+    with (_nothing() if fast else kernels.disabled()):
+        dx = F.gelu_backward(dy, cache, out=dy)
+    assert dx is dy and rel(dx, expected) <= 1e-12

@@ -395,15 +395,35 @@ def attention_backward(dout, cache):
         dqkv = np.empty((batch, s_q, 3, heads, d_h), dtype=q.dtype)
         outs = [np.swapaxes(dqkv[:, :, i], 1, 2) for i in range(3)]
     else:
-        outs = [None, None, None]
-    A_dropped = dropout_backward(A, drop)
-    dv = batched_matmul(np.swapaxes(A_dropped, -1, -2), dout, out=outs[2])   # [B, H, S_k, D_v]
-    del A_dropped
-    dA = dropout_backward(batched_matmul(dout, np.swapaxes(v, -1, -2)), drop)  # a new array
-    dz = attention_softmax_backward_(dA, A, scale, False)        # in place
-    dq = batched_matmul(dz, k, out=outs[0])                      # [B, H, S_q, D_h]
-    dk = batched_matmul(np.swapaxes(dz, -1, -2), q, out=outs[1])  # [B, H, S_k, D_h]
+        outs = [np.empty((batch, heads, s_q, d_h), dtype=q.dtype),
+                np.empty((batch, heads, s_k, d_h), dtype=q.dtype),
+                np.empty((batch, heads, s_k, d_v), dtype=q.dtype)]
+    dq, dk, dv = outs
+    # The [S_q, S_k] gradients are made for a quarter of the batch at a time, so that the
+    # temporary dA is a quarter of A's size (the peak memory of a step is reached here).
+    step = max(1, batch // 4)
+    for lo in range(0, batch, step):
+        b = slice(lo, min(lo + step, batch))
+        keep = _batch_slice_of_dropout(drop, b)
+        A_dropped = dropout_backward(A[b], keep)
+        batched_matmul(np.swapaxes(A_dropped, -1, -2), dout[b], out=dv[b])   # [b, H, S_k, D_v]
+        del A_dropped
+        dA = dropout_backward(batched_matmul(dout[b], np.swapaxes(v[b], -1, -2)), keep)
+        dz = attention_softmax_backward_(dA, A[b], scale, False)             # in place
+        batched_matmul(dz, k[b], out=dq[b])                                  # [b, H, S_q, D_h]
+        batched_matmul(np.swapaxes(dz, -1, -2), q[b], out=dk[b])             # [b, H, S_k, D_h]
+        del dA, dz
     return dq, dk, dv
+
+
+def _batch_slice_of_dropout(drop, b):
+    """dropout_forward's cache (keep [B, ...] or None, scale, (shape, dtype, xp)) for the
+    batch rows `b`."""
+    if drop is None:
+        return None
+    keep, scale, (shape, dtype, xp) = drop
+    rows = len(range(*b.indices(shape[0])))
+    return (None if keep is None else keep[b], scale, ((rows,) + tuple(shape[1:]), dtype, xp))
 
 
 def fused_qkv_grads(dq, dk, dv):
