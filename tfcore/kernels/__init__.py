@@ -316,8 +316,10 @@ def _split_matmul(a, b, out, axis, threads):
     computed by one thread with a single-threaded BLAS (b is shared when it is 2-D)."""
     global _pool
     libs = _blas_libraries()
-    if threads < 2 or a.shape[axis] < 2 * threads or not libs:
+    batched = a.ndim > 2
+    if not libs or (not batched and (threads < 2 or a.shape[0] < 2 * threads)):
         return np.matmul(a, b, out=out)
+    threads = max(1, min(threads, a.shape[axis]))
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
