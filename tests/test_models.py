@@ -12,7 +12,7 @@ import pytest
 from tfcore import backend
 from tfcore.backend import asarray, to_numpy
 from tfcore.gradcheck import assert_close
-from tfcore.models import DecoderConfig, DecoderLM, sample_next
+from tfcore.models import DecoderConfig, DecoderLM, sample_next, swiglu_width
 
 from _model_checks import directional_errors, randomize
 
@@ -70,7 +70,7 @@ def _loss_fn(model, ids, targets, training, seed=5):
     return loss
 
 
-def _check_every_tensor(variant, rng):
+def _check_every_tensor(variant, rng, names=None):
     model = DecoderLM(tiny(**variant)).init(seed=1)
     randomize(model.params, rng)
     ids, targets = batch(rng)
@@ -79,8 +79,9 @@ def _check_every_tensor(variant, rng):
     model.params.zero_grad()
     loss_fn()
     model.backward()
-    errors = directional_errors(model.params, loss_fn, rng)
-    assert set(errors) == set(model.params.names) | {"*"}
+    names = model.params.names if names is None else [model.params.names[i] for i in names]
+    errors = directional_errors(model.params, loss_fn, rng, names=names)
+    assert set(errors) == set(names) | {"*"}
     worst = max(errors, key=errors.get)
     assert errors[worst] < FD_TOL, f"{worst}: {errors[worst]:.2e}"
     return errors
@@ -92,8 +93,10 @@ def test_every_parameter_gradient_matches_finite_differences(variant, rng):
 
 
 @pytest.mark.parametrize("variant", [VARIANTS[2], VARIANTS[5]], ids=["llama", "post-drop"])
-def test_every_parameter_gradient_on_each_backend(variant, rng, backend_name):
-    _check_every_tensor(variant, rng)
+def test_gradients_on_each_backend(variant, rng, backend_name):
+    """The same checks on every backend, for the first and the last few tensors and one
+    direction over all of them (the full per-tensor check above runs on the default one)."""
+    _check_every_tensor(variant, rng, names=[0, 1, 2, -3, -2, -1])
 
 
 @pytest.mark.parametrize(
@@ -386,3 +389,18 @@ def test_blocks_without_residuals_have_correct_gradients(placement, rng):
     with_skips = DecoderLM(tiny(norm_placement=placement))
     with_skips.params.load_flat(model.params.data)
     assert float(with_skips.forward(ids, targets)[1]) != float(loss_fn())
+
+
+def test_config_round_trip_and_decay_mask():
+    cfg = tiny(position="rotary", tied_head=False, mlp="swiglu")
+    again = DecoderConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.d_ff == swiglu_width(D)
+    with pytest.raises(ValueError, match=r"unknown DecoderConfig field\(s\): \['colour'\]"):
+        DecoderConfig.from_dict({**cfg.to_dict(), "colour": "red"})
+    model = DecoderLM(cfg)
+    mask = to_numpy(model.params.decay_mask())
+    for name in model.params.names:
+        start, stop = model.params.offsets[name]
+        decayed = name.endswith(".W")             # qkv, proj, fc, gate, head: not wte, gains
+        assert np.all(mask[start:stop] == float(decayed)), name
+    assert "wte" in model.params.names and not np.any(mask[:V * D])

@@ -59,9 +59,14 @@ def assert_equal(name: str, truth: sp.Matrix, closed: sp.Matrix) -> None:
             raise AssertionError(f"{name}: entry ({i}, {j}) differs from the truth by {sp.simplify(diff)}")
 
 
-def lambdify(args: list[sp.Matrix], expr: sp.Matrix):
-    """A NumPy function of arrays shaped like `args` that evaluates the matrix `expr` (float64)."""
-    fn = sp.lambdify([a.tolist() for a in args], expr, modules=["scipy", "numpy"])  # scipy: erf on arrays
+def lambdify(args: list[sp.Matrix], expr: sp.Matrix, cse: bool = False):
+    """A NumPy function of arrays shaped like `args` that evaluates the matrix `expr` (float64).
+
+    cse=True factors out common subexpressions first: several times faster to build for large
+    expressions (a softmax written out entry by entry), and the same values up to rounding.
+    """
+    modules = ["scipy", "numpy"]  # scipy: erf on arrays
+    fn = sp.lambdify([a.tolist() for a in args], expr, modules=modules, cse=cse)
     shape = expr.shape
 
     def evaluate(*arrays):

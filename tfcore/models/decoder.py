@@ -19,8 +19,7 @@ KV cache (`KVCache`); its logits equal the uncached forward's.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -255,6 +254,8 @@ class DecoderLM:
         """
         self._check_ids(ids)
         cfg = self.config
+        if targets is not None:
+            checks.shape("targets", targets, tuple(ids.shape))
         if training and cfg.dropout > 0 and rng is None:
             raise ValueError("training with dropout > 0 needs rng=tfcore.backend.default_rng(seed)")
         seq = ids.shape[1]
@@ -271,7 +272,6 @@ class DecoderLM:
         logits, c_head = self._head(x)                                    # [B, S, V]
         loss, c_loss = None, None
         if targets is not None:
-            checks.shape("targets", targets, tuple(ids.shape))
             loss, c_loss = F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
         self._cache = (c_embed, c_blocks, c_lnf, c_head, c_loss, tuple(logits.shape))
         return logits, loss
@@ -364,10 +364,11 @@ class DecoderLM:
         rng = np.random.default_rng(seed)
         S_max = self.config.max_seq_len
         cache = None
+        pending = self._cache            # a forward's caches waiting for backward() survive
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits, _ = self.forward(backend.asarray(ids[:, -S_max:]))
-                self._cache = None
+                self._cache = pending
             elif cache is None or cache.length >= S_max:
                 cache = self.new_kv_cache(ids.shape[0])                    # (re)fill the window
                 logits = self.forward_with_cache(backend.asarray(ids[:, -S_max:]), cache)
