@@ -260,3 +260,20 @@ def test_update_argument_errors():
         optim.SGD(np.ones(3), lr=0.1)
     with pytest.raises(ValueError, match="with momentum needs a buffer"):
         optim.sgd_update(p, g, None, 0.1, 0.9)
+
+
+def test_adamw_on_real_parameters_decays_only_weight_matrices(backend_name, rng):
+    from tfcore.nn import Parameters
+
+    params = Parameters({"fc.W": (3, 4), "fc.b": (4,), "ln.g": (3,), "wte": (5, 3)},
+                        "float64")
+    p0 = rng.standard_normal(params.size)
+    params.load_flat(p0)
+    opt = optim.AdamW(params, lr=0.1, weight_decay=0.5)   # no gradient: decay alone
+    for _ in range(3):
+        opt.step()
+    out = host(params.data)
+    for name in params.names:
+        start, stop = params.offsets[name]
+        factor = 0.95**3 if name.endswith(".W") else 1.0
+        assert relerr(out[start:stop], p0[start:stop] * factor) < 1e-12, name

@@ -237,3 +237,23 @@ def test_cli_train_then_sample(tmp_path):
     assert refused.returncode != 0 and "d_model" in refused.stderr
     bad = run_module("tfcore.sample", "--checkpoint", str(tmp_path / "none.npz"))
     assert bad.returncode == 2 and "no checkpoint at" in bad.stderr
+
+
+def test_seed002_autoencoder_trains_and_resumes(tmp_path):
+    # Seed 002's model and optimizer on a smaller set: Adam (no decay), full batch, float64.
+    cfg = TrainConfig(**dict(train_mod.PRESETS["seed002"], batch_size=4, seq_len=8,
+                             steps=12, eval_interval=12, progress=False))
+    straight = train_mod.train(cfg)
+    assert straight.optimizer.kind == "Adam"
+    assert straight.history["loss"][-1] < 0.5 * straight.history["loss"][0]
+    half = Trainer(cfg).run(until=6)
+    half.save(tmp_path / "ae.npz")
+    resumed = Trainer.from_checkpoint(tmp_path / "ae.npz").run()
+    assert same(snapshot(resumed), snapshot(straight))
+
+
+def test_gaussian_sequences_are_standardized_per_token():
+    x = host(data.GaussianSequences(3, 5, 64, standardize=True, seed=1).x)
+    assert np.allclose(x.mean(-1), 0, atol=1e-12) and np.allclose(x.var(-1), 1, atol=1e-12)
+    raw = host(data.GaussianSequences(3, 5, 64, standardize=False, seed=1).x)
+    assert not np.allclose(raw.var(-1), 1, atol=1e-2)

@@ -192,3 +192,45 @@ def exact_match(logits, targets) -> float:
     y = np.asarray(backend.to_numpy(targets))
     ok = (pred == y) | (y == IGNORE_INDEX)
     return float(np.mean(np.all(ok, axis=1)))
+
+
+class GaussianSequences:
+    """Seed 002's reconstruction data: a fixed set of sequences x [N, T, W] to reproduce.
+
+    Entries are drawn from N(0, 1). With standardize=True every token's W features are then
+    shifted and scaled to mean 0 and variance 1 (what a LayerNorm outputs), so a post-norm
+    model, whose output is a LayerNorm's, can reproduce them exactly; raw N(0, 1) rows have
+    a per-row mean and spread that no LayerNorm output matches, which leaves an error floor.
+    next() returns the whole set (one full-batch step is one epoch) as (x, x);
+    heldout() a fresh set from another seed.
+    """
+
+    def __init__(self, count: int, seq_len: int, width: int, standardize: bool = True,
+                 seed: int = 0, dtype: str = "float64"):
+        self.count, self.seq_len, self.width = int(count), int(seq_len), int(width)
+        self.standardize, self.dtype, self.seed = bool(standardize), dtype, int(seed)
+        self.x = self._make(np.random.default_rng(seed))
+
+    def _make(self, rng):
+        x = rng.standard_normal((self.count, self.seq_len, self.width))      # [N, T, W]
+        if self.standardize:
+            x = (x - x.mean(axis=-1, keepdims=True)) / x.std(axis=-1, keepdims=True)
+        return backend.asarray(x, self.dtype)
+
+    @property
+    def state(self) -> dict:
+        return {"seed": self.seed}      # the set is fixed: nothing advances between epochs
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        if value != {"seed": self.seed}:
+            raise ValueError(f"sampler state {value} is not this data set's {{'seed': "
+                             f"{self.seed}}}")
+
+    def next(self):
+        return self.x, self.x
+
+    def heldout(self, count: int | None = None, seed: int = 12345):
+        other = GaussianSequences(count or self.count, self.seq_len, self.width,
+                                  self.standardize, seed, self.dtype)
+        return other.x, other.x
