@@ -71,7 +71,8 @@ def _every_pair(t):
         ("log_softmax", lambda: F.log_softmax_forward(x), F.log_softmax_backward, dy),
         ("layernorm", lambda: F.layernorm_forward(x, t["g"], t["beta"]), F.layernorm_backward, dy),
         ("rmsnorm", lambda: F.rmsnorm_forward(x, t["g"]), F.rmsnorm_backward, dy),
-        ("dropout", lambda: F.dropout_forward(x, 0.5, backend.default_rng(0)), F.dropout_backward, dy),
+        ("dropout", lambda: F.dropout_forward(x, 0.5, backend.default_rng(0)), F.dropout_backward,
+         dy),
         ("positional", lambda: F.positional_forward(x, t["P"]), F.positional_backward, dy),
         ("residual", lambda: F.residual_forward(x, t["P"][:3, :] + x), F.residual_backward, dy),
     ]

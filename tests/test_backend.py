@@ -110,6 +110,24 @@ def test_asarray_and_to_numpy_round_trip(dtype):
 
 
 @pytest.mark.usefixtures("backend_name")
+def test_asarray_takes_dtype_objects_and_refuses_masked_arrays():
+    xp = backend.xp()
+    for dtype in (np.float32, np.dtype("float32"), xp.float32, "float32"):
+        assert dtype_name(asarray([1.0, 2.0], dtype)) == "float32"
+    assert dtype_name(asarray([1, 2], xp.int64)) == "int64"
+    with pytest.raises(TypeError, match=re.escape("masked arrays are not supported")):
+        asarray(np.ma.masked_array([1.0, 2.0], mask=[0, 1]))
+
+
+@pytest.mark.usefixtures("backend_name")
+def test_uniform_follows_the_array_not_the_generator():
+    """A NumPy generator with an array of another library still gives draws on that library."""
+    like = asarray(np.zeros(1))
+    draws = backend.uniform(np.random.default_rng(3), (4,), like=like)
+    assert type(draws) is type(like)
+
+
+@pytest.mark.usefixtures("backend_name")
 def test_namespace_ignores_none_and_rejects_mixed():
     x = asarray(np.ones(3))
     assert backend.namespace(x, None) is backend.namespace(x)

@@ -120,7 +120,7 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def dtype_name(dtype) -> str:
+def dtype_string(dtype) -> str:
     """The name of a dtype given as a string, a NumPy type or dtype, or any backend's dtype object.
 
     'float32', np.float32, np.dtype('float32') and array_api_strict.float32 all give 'float32'.
@@ -143,8 +143,17 @@ def asarray(x, dtype=None):
     if isinstance(host, np.ma.MaskedArray):
         raise TypeError("masked arrays are not supported, pass x.filled(...) or x.data")
     if dtype is not None:
-        host = host.astype(dtype_name(dtype), copy=False)
+        host = host.astype(dtype_string(dtype), copy=False)
     return ns.asarray(host)
+
+
+def expected_overflow():
+    """A context in which overflow and invalid results are expected and handled by the caller.
+
+    NumPy (and array-api-strict, which computes with NumPy) would print a RuntimeWarning for
+    an intermediate inf or nan that the op then detects and repairs; CuPy never warns.
+    """
+    return np.errstate(over="ignore", invalid="ignore")
 
 
 def default_rng(seed: int | None = None):

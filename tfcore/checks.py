@@ -25,7 +25,7 @@ def _library(x) -> str:
 
 
 def array(name: str, x):
-    """x is an array of a library that follows the array API (not a list, a number or a masked array)."""
+    """x is an array of an array-API library (not a list, a number or a masked array)."""
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(
             f"{name}: masked arrays are not supported, pass {name}.filled(...) or {name}.data"
@@ -48,7 +48,10 @@ def same_library(**arrays):
 
 
 def float_inputs(**arrays):
-    """Every named array (None entries skipped) is float32 or float64, all of the same dtype and library."""
+    """Every named array (None skipped) is float32 or float64, all of one dtype and one library.
+
+    Returns the arrays' namespace.
+    """
     named = {k: v for k, v in arrays.items() if v is not None}
     for name, x in named.items():
         array(name, x)
@@ -82,7 +85,9 @@ def width(name: str, x, what: str = "width") -> int:
     min_ndim(name, x, 1)
     size = int(x.shape[-1])
     if size == 0:
-        raise ValueError(f"{name} must have a nonzero last axis ({what}), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have a nonzero last axis ({what}), got shape {tuple(x.shape)}"
+        )
     return size
 
 
@@ -223,7 +228,8 @@ def upstream(name: str, dout, like_shape: tuple, like_dtype, like_namespace):
     want_shape = tuple(like_shape)
     if tuple(dout.shape) != want_shape:
         raise ValueError(
-            f"{name} must have shape {want_shape} like the forward's output, got {tuple(dout.shape)}"
+            f"{name} must have shape {want_shape} like the forward's output, "
+            f"got {tuple(dout.shape)}"
         )
     if dout.dtype != like_dtype:
         raise TypeError(

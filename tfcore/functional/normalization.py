@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .. import checks, kernels
+from .. import backend, checks, kernels
 from ..backend import namespace
 from ._common import _sum_over_leading
 
@@ -16,7 +16,7 @@ def _check_finite(name, x):
 
 
 def _scaled_rows(x):
-    """x / s with s = max |x| per row (1 for an all-zero row): [..., D] -> ([..., D], s [..., 1])."""
+    """x / s, s = max |x| per row (1 for an all-zero row): [..., D] -> ([..., D], s [..., 1])."""
     xp = namespace(x)
     s = xp.max(xp.abs(x), axis=-1, keepdims=True)
     s = xp.where(s > 0, s, xp.ones((), dtype=x.dtype))
@@ -39,10 +39,12 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
     width = checks.width("x", x, "D")
     checks.shape("gamma", gamma, (width,))
     checks.shape("beta", beta, (width,))
-    if kernels.applies(x, gamma, beta) and (done := kernels.layernorm_forward(x, gamma, beta, eps)):
+    if kernels.applies(x, gamma, beta) and (
+            done := kernels.layernorm_forward(x, gamma, beta, eps)):
         return done
-    centered = x - xp.mean(x, axis=-1, keepdims=True)
-    var = xp.mean(centered * centered, axis=-1, keepdims=True)                  # [..., 1]
+    with backend.expected_overflow():                                           # repaired below
+        centered = x - xp.mean(x, axis=-1, keepdims=True)
+        var = xp.mean(centered * centered, axis=-1, keepdims=True)              # [..., 1]
     if bool(xp.all(xp.isfinite(var))):
         rstd = 1.0 / xp.sqrt(var + eps)                                         # [..., 1]
         xhat = centered * rstd
@@ -50,7 +52,8 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
         _check_finite("x", x)
         xs, s = _scaled_rows(x)                                                 # x = s * xs
         cs = xs - xp.mean(xs, axis=-1, keepdims=True)
-        t = xp.mean(cs * cs, axis=-1, keepdims=True) + eps / (s * s)            # (var + eps) / s^2
+        with backend.expected_overflow():                                       # s * s may be inf
+            t = xp.mean(cs * cs, axis=-1, keepdims=True) + eps / (s * s)        # (var + eps) / s^2
         positive = t > 0                # t == 0 only for a constant row whose eps / s^2 underflows
         t = xp.where(positive, t, xp.ones((), dtype=x.dtype))
         xhat = cs / xp.sqrt(t)                                                  # 0 on such a row
@@ -87,14 +90,16 @@ def rmsnorm_forward(x, gain, eps: float = 1e-6):
     checks.shape("gain", gain, (checks.width("x", x, "D"),))
     if kernels.applies(x, gain) and (done := kernels.rmsnorm_forward(x, gain, eps)):
         return done
-    mean_square = xp.mean(x * x, axis=-1, keepdims=True)                        # [..., 1]
+    with backend.expected_overflow():                                           # repaired below
+        mean_square = xp.mean(x * x, axis=-1, keepdims=True)                    # [..., 1]
     if bool(xp.all(xp.isfinite(mean_square))):
         rrms = 1.0 / xp.sqrt(mean_square + eps)                                 # [..., 1]
         xhat = x * rrms
     else:
         _check_finite("x", x)
         xs, s = _scaled_rows(x)
-        t = xp.mean(xs * xs, axis=-1, keepdims=True) + eps / (s * s)  # > 0: some |xs| is 1
+        with backend.expected_overflow():
+            t = xp.mean(xs * xs, axis=-1, keepdims=True) + eps / (s * s)  # > 0: some |xs| is 1
         xhat = xs / xp.sqrt(t)
         rrms = (1.0 / s) / xp.sqrt(t)
     return xhat * gain, (xhat, rrms, gain)
