@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from . import checks
+from . import checks, kernels
 from .backend import is_cupy, is_numpy, namespace, to_numpy
 
 
@@ -94,6 +94,10 @@ def adamw_update(p, g, m, v, step: int, lr: float, beta1: float = 0.9, beta2: fl
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
+    if kernels.applies(p, g, m, v, decay_mask):
+        kernels.adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2,
+                             decay_mask)
+        return
     lib = _ufunc_library(p)
     if lib is not None:
         # NumPy/CuPy: every operation writes into m, v, p or the one scratch array.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks
+from .. import backend, checks, kernels
 from ..backend import namespace
 
 
@@ -64,6 +64,8 @@ def gelu_forward(x, approximate: str = "none"):
     """
     checks.float_inputs(x=x)
     checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
+    if kernels.applies(x):
+        return kernels.gelu_forward(x, approximate), (x, approximate)
     if approximate == "none":
         y = _normal_cdf(x)                  # Phi(x)
         y *= x
@@ -77,15 +79,20 @@ def gelu_forward(x, approximate: str = "none"):
     return y, (x, approximate)
 
 
-def gelu_backward(dy, cache):
+def gelu_backward(dy, cache, out=None):
     """dx = dy * GELU'(x).
 
     exact: GELU'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi) the normal density
     tanh:  0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(...)
-    dy [...]  ->  dx [...]
+    dy [...]  ->  dx [...]; with `out` (an array like dy, which may be dy itself when the
+    caller has no further use for it) dx is written into out and out is returned.
     """
     x, approximate = cache
     checks.upstream_like("dy", dy, x)
+    if out is not None:
+        checks.upstream_like("out", out, x)
+    if kernels.applies(dy, x, out):
+        return kernels.gelu_backward(dy, x, approximate, out=out)
     xp = namespace(dy, x)
     if approximate == "none":
         grad = x * x
@@ -110,6 +117,9 @@ def gelu_backward(dy, cache):
         t *= 0.5                            # 0.5 (1 + t)
         grad += t
     grad *= dy
+    if out is not None:
+        out[...] = grad
+        return out
     return grad
 
 

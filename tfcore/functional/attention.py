@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .. import checks
+from .. import checks, kernels
 from ..backend import namespace
 from .regularization import dropout_backward, dropout_forward
 from .softmax import _check_mask, softmax_backward
@@ -79,6 +79,9 @@ def attention_forward(
     checks.shape("v", v, (batch, heads, s_k, None))
     dtype = q.dtype
     scale = 1.0 / math.sqrt(d_h)
+    if (mask is None and key_padding is None and s_q <= s_k
+            and kernels.applies(q, k, v, contiguous=False)):
+        return kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)
 
     z = xp.matmul(q, xp.matrix_transpose(k))                        # [B, H, S_q, S_k]
     z *= scale
@@ -134,6 +137,8 @@ def attention_backward(dout, cache):
     """
     q, k, v, A, drop, scale, (out_shape, out_dtype, xp) = cache
     checks.upstream("dout", dout, out_shape, out_dtype, xp)
+    if kernels.applies(dout, q, k, v, A, contiguous=False) and A.flags.c_contiguous:
+        return kernels.attention_backward(dout, cache)
     A_dropped = dropout_backward(A, drop)                           # [B, H, S_q, S_k]
     dv = xp.matmul(xp.matrix_transpose(A_dropped), dout)            # [B, H, S_k, D_v]
     del A_dropped
@@ -214,6 +219,9 @@ def qkv_merge_grads(dq, dk, dv):
     checks.shape("dk", dk, tuple(dq.shape))
     checks.shape("dv", dv, tuple(dq.shape))
     batch, heads, seq, d_h = dq.shape
+    if kernels.applies(dq, dk, dv, contiguous=False) and (
+            fused := kernels.fused_qkv_grads(dq, dk, dv)) is not None:
+        return fused
     xp = namespace(dq, dk, dv)
     dqkv = xp.empty((batch, seq, 3, heads, d_h), dtype=dq.dtype)
     for index, grad in enumerate((dq, dk, dv)):

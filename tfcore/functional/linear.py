@@ -1,7 +1,7 @@
 """Linear layer (chapter 2): forward/backward pairs."""
 from __future__ import annotations
 
-from .. import checks
+from .. import checks, kernels
 from ..backend import namespace
 from ._common import _flat_rows
 
@@ -22,6 +22,8 @@ def linear_forward(x, W, b=None):
     checks.shape("x", x, (None,) * (x.ndim - 1) + (d_in,))
     if b is not None:
         checks.shape("b", b, (d_out,))
+    if kernels.applies(x, W, b, contiguous=False):
+        return kernels.linear_forward(x, W, b), (x, W, b is not None)
     y = xp.reshape(_flat_rows(x, d_in) @ W, tuple(x.shape[:-1]) + (d_out,))  # one GEMM [N, D_in] @ [D_in, D_out]
     if b is not None:
         y += b
@@ -36,6 +38,8 @@ def linear_backward(dy, cache):
     x, W, has_bias = cache
     d_in, d_out = W.shape
     checks.upstream("dy", dy, tuple(x.shape[:-1]) + (d_out,), x.dtype, namespace(x))
+    if kernels.applies(dy, x, W, contiguous=False):
+        return kernels.linear_backward(dy, x, W, has_bias)
     xp = namespace(dy, W)
     dy_rows = _flat_rows(dy, d_out)                                    # [N, D_out]
     dx = xp.reshape(dy_rows @ W.T, tuple(x.shape))                    # [N, D_in] -> [..., D_in]

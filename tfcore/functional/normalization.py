@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks
+from .. import backend, checks, kernels
 from ..backend import namespace
 from ._common import _sum_over_leading
 
@@ -39,6 +39,9 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
     width = checks.width("x", x, "D")
     checks.shape("gamma", gamma, (width,))
     checks.shape("beta", beta, (width,))
+    if kernels.applies(x, gamma, beta) and (
+            done := kernels.layernorm_forward(x, gamma, beta, eps)):
+        return done
     with backend.expected_overflow():                                           # repaired below
         centered = x - xp.mean(x, axis=-1, keepdims=True)
         var = xp.mean(centered * centered, axis=-1, keepdims=True)              # [..., 1]
@@ -66,6 +69,8 @@ def layernorm_backward(dy, cache):
     """
     xhat, rstd, gamma = cache
     checks.upstream_like("dy", dy, xhat)
+    if kernels.applies(dy, xhat, rstd, gamma):
+        return kernels.layernorm_backward(dy, cache)
     xp = namespace(dy)
     g = dy * gamma
     dx = rstd * (g - xp.mean(g, axis=-1, keepdims=True) - xhat * xp.mean(g * xhat, axis=-1, keepdims=True))
@@ -83,6 +88,8 @@ def rmsnorm_forward(x, gain, eps: float = 1e-6):
     xp = checks.float_inputs(x=x, gain=gain)
     eps = checks.positive("eps", eps)
     checks.shape("gain", gain, (checks.width("x", x, "D"),))
+    if kernels.applies(x, gain) and (done := kernels.rmsnorm_forward(x, gain, eps)):
+        return done
     with backend.expected_overflow():                                           # repaired below
         mean_square = xp.mean(x * x, axis=-1, keepdims=True)                    # [..., 1]
     if bool(xp.all(xp.isfinite(mean_square))):
@@ -105,6 +112,8 @@ def rmsnorm_backward(dy, cache):
     """
     xhat, rrms, gain = cache
     checks.upstream_like("dy", dy, xhat)
+    if kernels.applies(dy, xhat, rrms, gain):
+        return kernels.rmsnorm_backward(dy, cache)
     xp = namespace(dy)
     g = dy * gain
     dx = rrms * (g - xhat * xp.mean(g * xhat, axis=-1, keepdims=True))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks
+from .. import backend, checks, kernels
 from ..backend import namespace
 from ._common import _flat_rows
 
@@ -59,6 +59,9 @@ def softmax_forward(z, mask=None):
         z = z + mask
     m = xp.max(z, axis=-1, keepdims=True)                               # [..., 1]
     _check_rows("z" if mask is None else "z + mask", z, m)
+    if kernels.applies(z):
+        s = kernels.softmax_forward(z)
+        return s, s
     e = xp.exp(z - m)
     e /= xp.sum(e, axis=-1, keepdims=True)
     return e, e
@@ -70,6 +73,8 @@ def softmax_backward(ds, s):
     ds [..., K], cache s [..., K]  ->  dz [..., K]  (masked entries get 0 because s is 0 there)
     """
     checks.upstream_like("ds", ds, s)
+    if kernels.applies(ds, s):
+        return kernels.softmax_backward(ds, s)
     xp = namespace(ds, s)
     return s * (ds - xp.sum(ds * s, axis=-1, keepdims=True))
 
@@ -121,6 +126,10 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     safe = xp.where(valid, y, xp.zeros_like(y))                         # an ignored row points at class 0, then is zeroed
     m = xp.max(z, axis=-1, keepdims=True)                               # [N, 1]
     _check_rows("logits", z, m)
+    if kernels.applies(z):
+        probs, total = kernels.cross_entropy_forward(z, safe, valid)
+        loss = z.dtype.type(total / max(n_valid, 1))
+        return loss, (probs, safe, valid, n_valid, tuple(logits.shape))
     shifted = z - m                                                     # [N, V]
     probs = xp.exp(shifted)
     sum_exp = xp.sum(probs, axis=-1)                                    # [N]
@@ -138,6 +147,8 @@ def cross_entropy_backward(dloss, cache):
     """
     probs, safe, valid, n_valid, shape = cache
     dloss = checks.scalar_upstream("dloss", dloss)
+    if kernels.applies(probs):
+        return kernels.cross_entropy_backward(dloss, cache)
     xp = namespace(probs)
     n_rows, vocab = probs.shape
     weight = xp.astype(valid, probs.dtype) * (dloss / max(n_valid, 1))          # [N]

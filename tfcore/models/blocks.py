@@ -160,12 +160,14 @@ def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, F]
     if spec.mlp == "swiglu":
         dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
+        del dhidden
         dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
         return dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc)
     if spec.mlp == "gelu":
-        dup = F.gelu_backward(dhidden, c_act)
+        dup = F.gelu_backward(dhidden, c_act, out=dhidden)              # in place: a temporary
     else:
         dup = F.relu_backward(dhidden, c_act)
+    del dhidden                                 # [B, S, F]: not needed by the last product
     return nn.linear_backward(params, prefix + ".fc", dup, c_fc)        # [B, S, D]
 
 

@@ -303,10 +303,13 @@ class DecoderLM:
             nn.accumulate(p, "head.W", dW)
         if db is not None:
             nn.accumulate(p, "head.b", db)
+        del dlogits, dW, db, c_head, c_loss          # free [B, S, V] before the blocks run
         if c_lnf is not None:
             dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+            c_lnf = None
         for i in reversed(range(cfg.n_layers)):
             dx = block_backward(p, f"h{i}", dx, c_blocks[i], self.spec)  # [B, S, D]
+            c_blocks[i] = None                       # release this layer's caches now
         c_emb, c_pos, c_drop = c_embed
         dx = F.dropout_backward(dx, c_drop)
         if c_pos is not None:

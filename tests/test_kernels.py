@@ -1,0 +1,304 @@
+"""Every fused kernel of tfcore.kernels against the reference path of the same op.
+
+The reference is the array-API code of tfcore.functional, run with the kernels switched off
+(``kernels.disabled()``). float64 agrees to a relative 1e-12 (the kernels sum a row in
+another order), float32 to its own precision (the kernels compute in float64). Where a kernel
+does not apply (another backend, a strided view, mixed dtypes) the reference runs, and the
+result is the reference's exactly.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfcore import backend, kernels, optim
+from tfcore import functional as F
+from tfcore.backend import asarray, to_numpy
+
+needs_numba = pytest.mark.skipif(not kernels.available(), reason="Numba is not installed")
+TOL = {"float64": 1e-12, "float32": 2e-6}
+
+
+def rel(a, b):
+    a, b = to_numpy(a).astype(np.float64), to_numpy(b).astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def both(fn, *args, **kwargs):
+    """fn on the kernel path and on the reference path -> (fast, reference)."""
+    fast = fn(*args, **kwargs)
+    with kernels.disabled():
+        reference = fn(*args, **kwargs)
+    return fast, reference
+
+
+def assert_close(fast, reference, dtype):
+    fast = fast if isinstance(fast, tuple) else (fast,)
+    reference = reference if isinstance(reference, tuple) else (reference,)
+    assert len(fast) == len(reference)
+    for a, b in zip(fast, reference):
+        if a is None:
+            assert b is None
+            continue
+        assert tuple(a.shape) == tuple(b.shape) and str(a.dtype) == str(b.dtype)
+        assert rel(a, b) <= TOL[dtype], rel(a, b)
+
+
+def randn(rng, shape, dtype, scale=1.0):
+    return asarray(scale * rng.standard_normal(shape), dtype=dtype)
+
+
+@pytest.fixture(autouse=True)
+def numpy_backend():
+    """The kernels are for NumPy: these tests run there whatever TFCORE_BACKEND says (the
+    test that takes `backend_name` selects each backend itself), with the kernels switched
+    on even when TFCORE_KERNELS=0 selects the reference for the rest of the suite."""
+    previous = backend.get_backend()
+    backend.set_backend("numpy")
+    was_enabled = kernels.set_enabled(True)
+    try:
+        yield
+    finally:
+        kernels.set_enabled(was_enabled)
+        backend.set_backend(previous)
+
+
+DTYPES = pytest.mark.parametrize("dtype", ["float64", "float32"])
+SHAPES = [(7,), (3, 5, 7), (2, 4, 33)]
+
+
+# -- the switch ---------------------------------------------------------------------------
+
+def test_applies_only_to_contiguous_numpy_floats():
+    x = np.ones((4, 6))
+    assert kernels.applies(x) == kernels.available()
+    assert not kernels.applies(x[:, ::2])                    # strided
+    assert kernels.applies(x[:, ::2], contiguous=False) == kernels.available()
+    assert not kernels.applies(x.astype(np.int64))           # not a float
+    assert not kernels.applies(x, x.astype(np.float32))      # mixed dtypes
+    assert not kernels.applies(x.astype(np.float16))
+    with kernels.disabled():
+        assert not kernels.applies(x) and not kernels.enabled()
+    assert kernels.applies(x) == kernels.available()
+    previous = kernels.set_enabled(False)
+    assert not kernels.applies(x)
+    kernels.set_enabled(previous)
+
+
+def test_other_backends_run_the_reference(backend_name, rng):
+    x = randn(rng, (2, 3), "float64")
+    assert kernels.applies(x) == (backend_name == "numpy" and kernels.available())
+
+
+def test_environment_variable_selects_the_reference():
+    code = "import tfcore.kernels as k; print(k.enabled())"
+    for value, expected in (("0", "False"), ("off", "False"), ("1", str(kernels.available()))):
+        env = dict(os.environ, TFCORE_KERNELS=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == expected
+
+
+# -- element-wise and row-wise ops --------------------------------------------------------
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("form", ["none", "tanh"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gelu(rng, dtype, form, shape):
+    x, dy = randn(rng, shape, dtype, 2.0), randn(rng, shape, dtype)
+    (y, cache), (y_ref, cache_ref) = both(F.gelu_forward, x, form)
+    assert_close(y, y_ref, dtype)
+    assert_close(*both(F.gelu_backward, dy, cache), dtype)
+    assert_close(F.gelu_backward(dy, cache_ref), F.gelu_backward(dy, cache), dtype)
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_softmax(rng, dtype, shape):
+    z, ds = randn(rng, shape, dtype, 3.0), randn(rng, shape, dtype)
+    (s, _), (s_ref, _) = both(F.softmax_forward, z)
+    assert_close(s, s_ref, dtype)
+    assert_close(*both(F.softmax_backward, ds, s_ref), dtype)
+
+
+@needs_numba
+@DTYPES
+def test_softmax_with_a_mask(rng, dtype):
+    z, ds = randn(rng, (2, 3, 6, 6), dtype), randn(rng, (2, 3, 6, 6), dtype)
+    mask = F.causal_mask(6, dtype)
+    (s, _), (s_ref, _) = both(F.softmax_forward, z, mask)
+    assert_close(s, s_ref, dtype)
+    assert float(np.abs(np.triu(s, 1)).max()) == 0.0
+    assert_close(*both(F.softmax_backward, ds, s_ref), dtype)
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_norms(rng, dtype, kind, shape):
+    x, dy = randn(rng, shape, dtype, 3.0) + 1.0, randn(rng, shape, dtype)
+    g, b = randn(rng, shape[-1:], dtype), randn(rng, shape[-1:], dtype)
+    forward = F.layernorm_forward if kind == "layernorm" else F.rmsnorm_forward
+    backward = F.layernorm_backward if kind == "layernorm" else F.rmsnorm_backward
+    args = (x, g, b) if kind == "layernorm" else (x, g)
+    (y, cache), (y_ref, cache_ref) = both(forward, *args)
+    assert_close(y, y_ref, dtype)
+    assert_close((cache[0], cache[1]), (cache_ref[0], cache_ref[1]), dtype)
+    assert_close(*both(backward, dy, cache_ref), dtype)
+    assert_close(backward(dy, cache), backward(dy, cache_ref), dtype)
+
+
+@needs_numba
+def test_norm_of_huge_rows_falls_back_to_the_reference():
+    x = np.array([[1e200, -1e200, 3.0], [1.0, 2.0, 4.0]])
+    g, b = np.ones(3), np.zeros(3)
+    (y, _), (y_ref, _) = both(F.layernorm_forward, x, g, b)
+    assert np.all(np.isfinite(y)) and rel(y, y_ref) <= 1e-12
+    (y, _), (y_ref, _) = both(F.rmsnorm_forward, x, g)
+    assert np.all(np.isfinite(y)) and rel(y, y_ref) <= 1e-12
+    with pytest.raises(ValueError, match="inf or nan"):
+        F.layernorm_forward(np.array([[np.inf, 1.0]]), np.ones(2), np.zeros(2))
+
+
+@needs_numba
+@DTYPES
+def test_cross_entropy(rng, dtype):
+    logits = randn(rng, (3, 5, 11), dtype, 2.0)
+    labels = rng.integers(0, 11, size=(3, 5))
+    labels[0, :2] = -100
+    labels = asarray(labels, "int64")
+    (loss, cache), (loss_ref, cache_ref) = both(F.cross_entropy_forward, logits, labels)
+    assert abs(float(loss) - float(loss_ref)) <= TOL[dtype] * abs(float(loss_ref))
+    assert type(loss) is type(loss_ref)
+    assert_close(*both(F.cross_entropy_backward, 0.7, cache_ref), dtype)
+    every = asarray(np.full((3, 5), -100), "int64")
+    (loss, cache), _ = both(F.cross_entropy_forward, logits, every)
+    assert float(loss) == 0.0 and float(np.abs(F.cross_entropy_backward(1.0, cache)).max()) == 0
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("causal,s_q,s_k", [(True, 6, 6), (True, 1, 5), (True, 3, 7),
+                                            (False, 4, 6)])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_attention(rng, dtype, causal, s_q, s_k, dropout):
+    q = randn(rng, (2, 3, s_q, 4), dtype)
+    k, v = randn(rng, (2, 3, s_k, 4), dtype), randn(rng, (2, 3, s_k, 4), dtype)
+    dout = randn(rng, (2, 3, s_q, 4), dtype)
+
+    def run(fast):
+        with (kernels.disabled() if not fast else _nothing()):
+            out, cache = F.attention_forward(q, k, v, causal=causal, dropout_p=dropout,
+                                             rng=backend.default_rng(5))
+            return out, cache, F.attention_backward(dout, cache)
+
+    out, cache, grads = run(True)
+    out_ref, cache_ref, grads_ref = run(False)
+    assert_close(out, out_ref, dtype)
+    assert_close(cache[3], cache_ref[3], dtype)          # the probabilities A
+    assert_close(grads, grads_ref, dtype)
+    with kernels.disabled():                             # caches go to either backward
+        assert_close(F.attention_backward(dout, cache), grads_ref, dtype)
+
+
+@needs_numba
+def test_attention_from_a_fused_qkv_view(rng):
+    qkv = randn(rng, (2, 5, 3 * 8), "float64")
+    q, k, v = F.qkv_split(qkv, 2)                        # strided views
+    dout = randn(rng, (2, 2, 5, 4), "float64")
+    (out, cache), (out_ref, cache_ref) = both(F.attention_forward, q, k, v, causal=True)
+    assert_close(out, out_ref, "float64")
+    assert_close(*both(F.attention_backward, dout, cache_ref), "float64")
+
+
+@needs_numba
+def test_attention_with_masks_runs_the_reference(rng):
+    q = randn(rng, (1, 2, 4, 4), "float64")
+    padding = asarray(np.array([[False, False, True, False]]), "bool")
+    (out, cache), (out_ref, _) = both(F.attention_forward, q, q, q, key_padding=padding)
+    assert rel(out, out_ref) == 0.0
+
+
+@needs_numba
+@DTYPES
+def test_embedding_backward(rng, dtype):
+    W = randn(rng, (7, 5), dtype)
+    ids = asarray(rng.integers(0, 7, size=(4, 9)), "int64")     # repeated ids
+    dx = randn(rng, (4, 9, 5), dtype)
+    _, cache = F.embedding_forward(ids, W)
+    assert_close(*both(F.embedding_backward, dx, cache), dtype)
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("masked", [False, True])
+def test_adamw_update(rng, dtype, masked):
+    n = 1001
+    p0, g = randn(rng, n, dtype), randn(rng, n, dtype)
+    m0, v0 = randn(rng, n, dtype, 0.1), asarray(rng.random(n) * 0.01, dtype)
+    mask = asarray(rng.integers(0, 2, n), dtype) if masked else None
+    results = []
+    for fast in (True, False):
+        p, m, v = p0.copy(), m0.copy(), v0.copy()
+        with (_nothing() if fast else kernels.disabled()):
+            optim.adamw_update(p, g, m, v, 3, 1e-2, 0.9, 0.95, 1e-8, 0.1, mask)
+        results.append((p, m, v))
+    assert_close(results[0], results[1], dtype)
+
+
+@needs_numba
+def test_strided_inputs_run_the_reference(rng):
+    x = randn(rng, (4, 10), "float64")[:, ::2]
+    dy = randn(rng, (4, 5), "float64")
+    assert not kernels.applies(x)
+    (y, cache), (y_ref, _) = both(F.gelu_forward, x)
+    assert rel(y, y_ref) == 0.0
+    g, b = np.ones(5), np.zeros(5)
+    (y, cache), (y_ref, _) = both(F.layernorm_forward, x, g, b)
+    assert rel(y, y_ref) == 0.0
+    assert rel(*both(F.gelu_backward, dy, (x, "none"))) == 0.0
+
+
+@needs_numba
+def test_warm_up_runs_every_kernel():
+    assert kernels.warm_up(("float64",)) >= 0.0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@needs_numba
+def test_fused_qkv_gradient_needs_no_copy(rng):
+    qkv = randn(rng, (2, 6, 3 * 8), "float64")
+    q, k, v = F.qkv_split(qkv, 2)
+    dout = randn(rng, (2, 2, 6, 4), "float64")
+    _, cache = F.attention_forward(q, k, v, causal=True)
+    grads = F.attention_backward(dout, cache)
+    dqkv = F.qkv_merge_grads(*grads)
+    assert np.shares_memory(dqkv, grads[0])              # written in place by the backward
+    with kernels.disabled():
+        reference = F.qkv_merge_grads(*F.attention_backward(dout, cache))
+    assert rel(dqkv, reference) <= 1e-12
+
+
+@needs_numba
+@pytest.mark.parametrize("fast", [True, False])
+def test_gelu_backward_into_out(rng, fast):
+    x, dy = randn(rng, (3, 8), "float64"), randn(rng, (3, 8), "float64")
+    _, cache = F.gelu_forward(x, "tanh")
+    expected = F.gelu_backward(dy, cache)
+    with (_nothing() if fast else kernels.disabled()):
+        dx = F.gelu_backward(dy, cache, out=dy)
+    assert dx is dy and rel(dx, expected) <= 1e-12

@@ -1,0 +1,445 @@
+"""Fused CPU kernels (Numba) for the element-wise and row-wise ops of the training step.
+
+The array-API functions of ``tfcore.functional`` are the reference: the book proves them, and
+the tests compare every kernel here with them. A reference op hands its work to a kernel only
+when ``applies(...)`` says so:
+
+* kernels are enabled: ``TFCORE_KERNELS`` is not ``0`` in the environment, and neither
+  ``set_enabled(False)`` nor ``with kernels.disabled():`` switched them off;
+* Numba is installed;
+* every array is a NumPy array of float32 or float64 (one dtype), C-contiguous where the
+  kernel reads it flat. Everything else (CuPy, array-api-strict, views with strides) runs
+  the reference.
+
+Every kernel returns what the reference returns, with caches of the same format, so a cache
+made by either path can go to either backward. The kernels compute in float64 whatever the
+storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
+machine pays Numba's compile time (see ``warm_up``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+import numpy as np
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_enabled = os.environ.get("TFCORE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+_have_numba = importlib.util.find_spec("numba") is not None
+_nb = None  # the compiled module, imported on first use
+
+
+def available() -> bool:
+    """Numba is installed (the kernels can run at all)."""
+    return _have_numba
+
+
+def enabled() -> bool:
+    """Kernels are switched on and can run."""
+    return _enabled and _have_numba
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch the kernels on or off for the whole process; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(flag)
+    return previous
+
+
+@contextlib.contextmanager
+def disabled():
+    """``with kernels.disabled():`` runs the reference path of every op inside the block."""
+    previous = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def applies(*arrays, contiguous: bool = True) -> bool:
+    """True when a kernel may take these arrays (None entries are skipped): see the module doc."""
+    if not (_enabled and _have_numba):
+        return False
+    dtype = None
+    for a in arrays:
+        if a is None:
+            continue
+        if type(a) is not np.ndarray or a.dtype not in _FLOATS:
+            return False
+        if dtype is None:
+            dtype = a.dtype
+        elif a.dtype != dtype:
+            return False
+        if contiguous and not a.flags.c_contiguous:
+            return False
+    return dtype is not None
+
+
+def _k():
+    global _nb
+    if _nb is None:
+        from . import _numba
+
+        _nb = _numba
+    return _nb
+
+
+def _rows(x, width):
+    return x.reshape(-1, width)
+
+
+def _chunks(n_rows: int) -> int:
+    """How many row chunks a reduction over rows is split into (a few per thread)."""
+    from numba import get_num_threads
+
+    return max(1, min(n_rows, 4 * get_num_threads()))
+
+
+# -- GELU -------------------------------------------------------------------------------
+
+def gelu_forward(x, approximate):
+    """x [...] -> y [...] (the reference's cache is (x, approximate))."""
+    y = np.empty_like(x)
+    kernel = _k().gelu_tanh_forward if approximate == "tanh" else _k().gelu_exact_forward
+    kernel(x.reshape(-1), y.reshape(-1))
+    return y
+
+
+def gelu_backward(dy, x, approximate, out=None):
+    """dy, x [...] -> dx [...] (out may be dy itself)."""
+    dx = np.empty_like(x) if out is None else out
+    kernel = _k().gelu_tanh_backward if approximate == "tanh" else _k().gelu_exact_backward
+    kernel(dy.reshape(-1), x.reshape(-1), dx.reshape(-1))
+    return dx
+
+
+# -- softmax ----------------------------------------------------------------------------
+
+def softmax_forward(z):
+    """z [..., K] -> s [..., K]."""
+    s = np.empty_like(z)
+    _k().softmax_rows(_rows(z, z.shape[-1]), _rows(s, z.shape[-1]))
+    return s
+
+
+def softmax_backward(ds, s, scale=1.0, out=None):
+    """ds, s [..., K] -> dz = scale * s * (ds - rowsum(ds * s)) (out may be ds itself)."""
+    dz = np.empty_like(s) if out is None else out
+    k = s.shape[-1]
+    _k().softmax_backward_rows(_rows(ds, k), _rows(s, k), _rows(dz, k), float(scale))
+    return dz
+
+
+def attention_softmax_(z, scale, causal):
+    """In place: scores z [B, H, S_q, S_k] -> A = softmax(scale * z + causal mask)."""
+    s_q, s_k = z.shape[-2:]
+    offset = s_k - s_q if causal else s_k
+    _k().causal_softmax_inplace(z.reshape(-1, s_q, s_k), float(scale), offset)
+    return z
+
+
+def attention_softmax_backward_(dA, A, scale, causal):
+    """In place: dA [B, H, S_q, S_k] -> dZ = scale * A * (dA - rowsum(dA * A))."""
+    s_q, s_k = A.shape[-2:]
+    offset = s_k - s_q if causal else s_k
+    _k().causal_softmax_backward_inplace(
+        dA.reshape(-1, s_q, s_k), A.reshape(-1, s_q, s_k), float(scale), offset)
+    return dA
+
+
+# -- normalization ----------------------------------------------------------------------
+
+def layernorm_forward(x, gamma, beta, eps):
+    """x [..., D] -> y [..., D], cache (xhat [..., D], rstd [..., 1], gamma); None when a row's
+    variance overflows or x is not finite (the reference handles those rows)."""
+    d = x.shape[-1]
+    y, xhat = np.empty_like(x), np.empty_like(x)
+    rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    _k().layernorm_forward(_rows(x, d), gamma, beta, float(eps), _rows(y, d), _rows(xhat, d),
+                           rstd.reshape(-1))
+    if np.isnan(rstd).any():
+        return None
+    return y, (xhat, rstd, gamma)
+
+
+def rmsnorm_forward(x, gain, eps):
+    """x [..., D] -> y [..., D], cache (xhat [..., D], rrms [..., 1], gain); None as above."""
+    d = x.shape[-1]
+    y, xhat = np.empty_like(x), np.empty_like(x)
+    rrms = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    _k().rmsnorm_forward(_rows(x, d), gain, float(eps), _rows(y, d), _rows(xhat, d),
+                         rrms.reshape(-1))
+    if np.isnan(rrms).any():
+        return None
+    return y, (xhat, rrms, gain)
+
+
+def _norm_backward(dy, cache, centered):
+    xhat, rstd, gamma = cache
+    d = dy.shape[-1]
+    n = dy.size // d
+    chunks = _chunks(n)
+    dgamma = np.zeros((chunks, d))
+    dbeta = np.zeros((chunks, d))
+    dx = np.empty_like(dy)
+    _k().norm_backward(_rows(dy, d), _rows(xhat, d), rstd.reshape(-1), gamma, centered,
+                       _rows(dx, d), dgamma, dbeta)
+    return dx, dgamma.sum(axis=0).astype(dy.dtype), dbeta.sum(axis=0).astype(dy.dtype)
+
+
+def layernorm_backward(dy, cache):
+    """dy [..., D] -> dx [..., D], dgamma [D], dbeta [D]."""
+    return _norm_backward(dy, cache, True)
+
+
+def rmsnorm_backward(dy, cache):
+    """dy [..., D] -> dx [..., D], dgain [D]."""
+    dx, dgain, _ = _norm_backward(dy, cache, False)
+    return dx, dgain
+
+
+# -- cross-entropy ----------------------------------------------------------------------
+
+def cross_entropy_forward(z, safe, valid):
+    """z [N, V], safe [N] int64, valid [N] bool -> (probs [N, V], sum of the kept nll)."""
+    probs = np.empty_like(z)
+    nll = np.empty(z.shape[0], dtype=np.float64)
+    _k().cross_entropy_forward(z, safe, valid, probs, nll)
+    return probs, float(nll.sum())
+
+
+def cross_entropy_backward(dloss, cache):
+    """The reference's cache -> dlogits [..., V]."""
+    probs, safe, valid, n_valid, shape = cache
+    dz = np.empty_like(probs)
+    _k().cross_entropy_backward(probs, safe, valid, float(dloss) / max(n_valid, 1), dz)
+    return dz.reshape(shape)
+
+
+# -- optimizer and embedding ------------------------------------------------------------
+
+_NO_MASK = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64): np.zeros(0)}
+
+
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2, decay_mask):
+    """In place on p, m, v [P]: the reference adamw_update's arithmetic, one pass."""
+    mask = _NO_MASK[p.dtype] if decay_mask is None else decay_mask
+    _k().adamw_update(p, g, m, v, float(lr), float(beta1), float(beta2), float(eps),
+                      float(weight_decay), float(bias1), float(bias2), mask)
+
+
+def embedding_backward(dx, flat_ids, w_shape):
+    """dx [..., D], ids [N] -> dW [V, D] (zeros, then every row of dx added at its id)."""
+    dW = np.zeros(w_shape, dtype=dx.dtype)
+    _k().embedding_backward(flat_ids, _rows(dx, w_shape[1]), dW, _chunks(w_shape[1]))
+    return dW
+
+
+def warm_up(dtypes=("float32", "float64")) -> float:
+    """Run every kernel once on tiny inputs (compiles or loads from the disk cache); seconds."""
+    import time
+
+    start = time.perf_counter()
+    for name in dtypes:
+        x = np.linspace(-2, 2, 24, dtype=name).reshape(2, 3, 4)
+        for form in ("none", "tanh"):
+            gelu_backward(x, x, form)
+            gelu_forward(x, form)
+        s = softmax_forward(x)
+        softmax_backward(x, s)
+        z = np.ones((1, 2, 3, 4), dtype=name)
+        attention_softmax_backward_(z.copy(), attention_softmax_(z, 0.5, True), 0.5, True)
+        g = np.ones(4, dtype=name)
+        layernorm_backward(x, layernorm_forward(x, g, g, 1e-5)[1])
+        rmsnorm_backward(x, rmsnorm_forward(x, g, 1e-5)[1])
+        labels = np.zeros(6, dtype=np.int64)
+        probs, _ = cross_entropy_forward(x.reshape(6, 4), labels, labels == 0)
+        cross_entropy_backward(1.0, (probs, labels, labels == 0, 6, (6, 4)))
+        flat = x.reshape(-1).copy()
+        adamw_update(flat, flat, flat.copy(), flat * 0, 1e-3, 0.9, 0.99, 1e-8, 0.1, 0.1, 0.01,
+                     None)
+        adamw_update(flat, flat, flat.copy(), flat * 0, 1e-3, 0.9, 0.99, 1e-8, 0.1, 0.1, 0.01,
+                     np.ones_like(flat))
+        embedding_backward(x, labels, (3, 4))
+    return time.perf_counter() - start
+
+
+# -- batched matmuls: one fork/join for the whole batch ---------------------------------------
+# A batched product [B, H, m, k] @ [B, H, k, n] is B*H small GEMMs. NumPy hands each of them
+# to a multi-threaded BLAS, which forks and joins its threads B*H times; on a busy machine
+# every join waits for the slowest thread, and the attention's products ran 10-25 times
+# slower with 2 BLAS threads than with 1. Here the batch is split over the threads instead
+# (a thread pool, each thread a single-threaded BLAS over its share of the matrices): one
+# fork/join per product.
+
+_pool = None
+_blas = None
+
+
+def _threads() -> int:
+    from numba import get_num_threads
+
+    return get_num_threads()
+
+
+def _blas_libraries():
+    global _blas
+    if _blas is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        except Exception:  # threadpoolctl missing or unable to see the BLAS
+            _blas = []
+    return _blas
+
+
+def batched_matmul(a, b, out=None):
+    """a [B, H, m, k] @ b [B, H, k, n] -> out [B, H, m, n] (out may be a strided view)."""
+    if out is None:
+        out = np.empty(a.shape[:-1] + b.shape[-1:], dtype=np.result_type(a, b))
+    threads = _threads()
+    axis = 0 if a.shape[0] >= threads else 1
+    return _split_matmul(a, b, out, axis, threads)
+
+
+def matmul(a, b, out=None):
+    """a [m, k] @ b [k, n] -> out [m, n], the rows of a split over the threads."""
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+    return _split_matmul(a, b, out, 0, _threads())
+
+
+def _split_matmul(a, b, out, axis, threads):
+    """np.matmul(a, b, out=out) with axis `axis` of a and out split into `threads` parts, each
+    computed by one thread with a single-threaded BLAS (b is shared when it is 2-D)."""
+    global _pool
+    libs = _blas_libraries()
+    batched = a.ndim > 2
+    if not libs or (not batched and (threads < 2 or a.shape[0] < 2 * threads)):
+        return np.matmul(a, b, out=out)
+    threads = max(1, min(threads, a.shape[axis]))
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tfcore-matmul")
+    size = a.shape[axis]
+    bounds = [(size * t) // threads for t in range(threads + 1)]
+    parts = [(slice(lo, hi),) if axis == 0 else (slice(None), slice(lo, hi))
+             for lo, hi in zip(bounds[:-1], bounds[1:])]
+    shared_b = b.ndim == 2
+    pieces = [(a[p], b if shared_b else b[p], out[p]) for p in parts]
+    saved = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        futures = [_pool.submit(np.matmul, x, y, out=o) for x, y, o in pieces[1:]]
+        np.matmul(*pieces[0][:2], out=pieces[0][2])
+        for f in futures:
+            f.result()
+    finally:
+        for lib, n in zip(libs, saved):
+            lib.set_num_threads(n)
+    return out
+
+
+def linear_forward(x, W, b):
+    """x [..., D_in] @ W [D_in, D_out] + b -> y [..., D_out]: one GEMM over the rows."""
+    d_in, d_out = W.shape
+    y = np.empty(x.shape[:-1] + (d_out,), dtype=x.dtype)
+    matmul(x.reshape(-1, d_in), W, out=y.reshape(-1, d_out))
+    if b is not None:
+        y += b
+    return y
+
+
+def linear_backward(dy, x, W, has_bias):
+    """-> dx = dy W^T [..., D_in], dW = x^T dy [D_in, D_out], db [D_out] or None."""
+    d_in, d_out = W.shape
+    dy_rows = dy.reshape(-1, d_out)                               # [N, D_out]
+    dx = np.empty(x.shape, dtype=dy.dtype)
+    matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))
+    dW = matmul(x.reshape(-1, d_in).T, dy_rows)                   # [D_in, N] @ [N, D_out]
+    db = dy_rows.sum(axis=0) if has_bias else None
+    return dx, dW, db
+
+
+# -- attention: the matmuls stay BLAS; scale, mask and softmax become one in-place pass ------
+
+def attention_forward(q, k, v, causal, scale, dropout_p, rng, training):
+    """attention_forward of tfcore.functional without key_padding or mask (same cache).
+
+    The output is written straight into the layout [B, S_q, H, D_v] that merge_heads reads,
+    so merging the heads afterwards is a view, not a copy.
+    """
+    from ..functional.regularization import dropout_forward
+
+    z = batched_matmul(q, np.swapaxes(k, -1, -2))                # [B, H, S_q, S_k]
+    A = attention_softmax_(z, scale, causal)                     # in place: z is now A
+    A_dropped, drop = dropout_forward(A, dropout_p, rng=rng, training=training)
+    batch, heads, s_q, _ = A.shape
+    merged = np.empty((batch, s_q, heads, v.shape[-1]), dtype=A.dtype)
+    out = batched_matmul(A_dropped, v, out=np.swapaxes(merged, 1, 2))   # [B, H, S_q, D_v]
+    return out, (q, k, v, A, drop, scale, (tuple(out.shape), out.dtype, np))
+
+
+def attention_backward(dout, cache):
+    """attention_backward of tfcore.functional for a cache whose A is a contiguous array."""
+    from ..functional.regularization import dropout_backward
+
+    q, k, v, A, drop, scale, _ = cache
+    batch, heads, s_q, d_h = q.shape
+    s_k, d_v = k.shape[2], v.shape[3]
+    if s_q == s_k and d_v == d_h:
+        # dq, dk, dv are written into one [B, S, 3, H, D_h] buffer, the layout of the fused
+        # qkv projection's gradient: qkv_merge_grads then returns it without a copy
+        dqkv = np.empty((batch, s_q, 3, heads, d_h), dtype=q.dtype)
+        outs = [np.swapaxes(dqkv[:, :, i], 1, 2) for i in range(3)]
+    else:
+        outs = [np.empty((batch, heads, s_q, d_h), dtype=q.dtype),
+                np.empty((batch, heads, s_k, d_h), dtype=q.dtype),
+                np.empty((batch, heads, s_k, d_v), dtype=q.dtype)]
+    dq, dk, dv = outs
+    # The [S_q, S_k] gradients are made for a quarter of the batch at a time, so that the
+    # temporary dA is a quarter of A's size (the peak memory of a step is reached here).
+    step = max(1, batch // 4)
+    for lo in range(0, batch, step):
+        b = slice(lo, min(lo + step, batch))
+        keep = _batch_slice_of_dropout(drop, b)
+        A_dropped = dropout_backward(A[b], keep)
+        batched_matmul(np.swapaxes(A_dropped, -1, -2), dout[b], out=dv[b])   # [b, H, S_k, D_v]
+        del A_dropped
+        dA = dropout_backward(batched_matmul(dout[b], np.swapaxes(v[b], -1, -2)), keep)
+        dz = attention_softmax_backward_(dA, A[b], scale, False)             # in place
+        batched_matmul(dz, k[b], out=dq[b])                                  # [b, H, S_q, D_h]
+        batched_matmul(np.swapaxes(dz, -1, -2), q[b], out=dk[b])             # [b, H, S_k, D_h]
+        del dA, dz
+    return dq, dk, dv
+
+
+def _batch_slice_of_dropout(drop, b):
+    """dropout_forward's cache (keep [B, ...] or None, scale, (shape, dtype, xp)) for the
+    batch rows `b`."""
+    if drop is None:
+        return None
+    keep, scale, (shape, dtype, xp) = drop
+    rows = len(range(*b.indices(shape[0])))
+    return (None if keep is None else keep[b], scale, ((rows,) + tuple(shape[1:]), dtype, xp))
+
+
+def fused_qkv_grads(dq, dk, dv):
+    """dqkv [B, S, 3D] when dq, dk, dv are the three views attention_backward wrote into one
+    [B, S, 3, H, D_h] buffer (then no copy is needed), else None."""
+    base = dq.base
+    if base is None or dk.base is not base or dv.base is not base:
+        return None
+    batch, heads, seq, d_h = dq.shape
+    if base.shape != (batch, seq, 3, heads, d_h) or not base.flags.c_contiguous:
+        return None
+    for i, grad in enumerate((dq, dk, dv)):
+        view = np.swapaxes(base[:, :, i], 1, 2)
+        if (grad.shape != view.shape or grad.strides != view.strides
+                or grad.ctypes.data != view.ctypes.data):
+            return None
+    return base.reshape(batch, seq, 3 * heads * d_h)
