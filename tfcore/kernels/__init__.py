@@ -24,6 +24,8 @@ import os
 
 import numpy as np
 
+from ..backend import namespace
+
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _enabled = os.environ.get("TFCORE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 _have_numba = importlib.util.find_spec("numba") is not None
@@ -381,7 +383,7 @@ def attention_forward(q, k, v, causal, scale, dropout_p, rng, training):
     batch, heads, s_q, _ = A.shape
     merged = np.empty((batch, s_q, heads, v.shape[-1]), dtype=A.dtype)
     out = batched_matmul(A_dropped, v, out=np.swapaxes(merged, 1, 2))   # [B, H, S_q, D_v]
-    return out, (q, k, v, A, drop, scale, (tuple(out.shape), out.dtype, np))
+    return out, (q, k, v, A, drop, scale, (tuple(out.shape), out.dtype, namespace(q)))
 
 
 def attention_backward(dout, cache):
