@@ -1,4 +1,4 @@
-"""Scaled dot-product attention and the head reshapes (chapter 7): forward/backward pairs.
+"""Scaled dot-product attention and the head reshapes (chapter 6): forward/backward pairs.
 
 Shape letters: B batch, H heads, S_q queries, S_k keys (S_k > S_q for a step that attends to
 a KV cache), D_h the width of one head, D = H * D_h the model width. Heads are a batched

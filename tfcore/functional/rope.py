@@ -1,4 +1,4 @@
-"""Rotary position embeddings, RoPE (chapter 8): a forward/backward pair and its tables.
+"""Rotary position embeddings, RoPE (chapter 7): a forward/backward pair and its tables.
 
 Each pair of features (x[2i], x[2i+1]) of a query or key at position p is rotated by the
 angle p * theta_i, theta_i = base^(-2i/D_h). A rotation is orthogonal, so the backward is
