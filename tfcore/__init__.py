@@ -2,9 +2,22 @@
 
 Modules:
     backend     which array library computes (NumPy, CuPy, or array-api-strict for testing)
-    functional  stateless forward/backward pairs, one per op
+    checks      argument validation with clear errors, shared by every op
+    functional  stateless forward/backward pairs, one module per family of ops
+    kernels     fused Numba kernels for the CPU; TFCORE_KERNELS=0 selects the reference path
+    nn          Parameters: one flat buffer of values and one of gradients, views by name
+    models      blocks, the decoder LM, note 001's encoder classifier and MLP, note 002's
+                autoencoder, size tables
+    optim       SGD, Adam, AdamW over the flat buffers, clipping, schedules
+    data        the character corpus, the digit tasks, batch samplers
+    train       the training loop and atomic checkpoints (python -m tfcore.train)
+    sample      continue a prompt from a checkpoint (python -m tfcore.sample)
+    bench       a training step timed against the matmul peak and PyTorch (python -m tfcore.bench)
+    parallel    communicators, tensor/sequence/data parallelism, ZeRO-1 (python -m tfcore.parallel)
     gradcheck   finite differences and relative-error helpers
     symbolic    SymPy helpers the chapters share
+Only backend, checks, functional and gradcheck are imported with the package; the others
+are imported on demand (`from tfcore.models import DecoderLM`).
 """
 from . import backend, checks, functional, gradcheck  # tfcore.symbolic (SymPy) is imported on demand
 
