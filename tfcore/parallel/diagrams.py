@@ -200,8 +200,9 @@ def draw_linear_shards(axes, layout: dict) -> None:
             ox, oy = origin[name]
             rows, cols = sizes[name]
             top = Din
-            ax.add_patch(Rectangle((ox, top - rows), cols, rows, fill=False,
-                                   edgecolor="black", linewidth=1.0))
+            if not (name == "y" and ranks[0]["partial"]):
+                ax.add_patch(Rectangle((ox, top - rows), cols, rows, fill=False,
+                                       edgecolor="black", linewidth=1.0))
             for r, rec in enumerate(ranks):
                 (r0, r1), (c0, c1) = rec[name]
                 whole = (r0, r1) == (0, rows) and (c0, c1) == (0, cols)
@@ -212,15 +213,18 @@ def draw_linear_shards(axes, layout: dict) -> None:
                                                edgecolor="#888888", linewidth=0.5))
                     continue
                 if name == "y" and rec["partial"]:
-                    h = rows / n                # one thin partial per rank, stacked
-                    ax.add_patch(Rectangle((ox, top - (r + 1) * h), cols, h,
-                                           facecolor=_rank_colour(r), alpha=0.85,
-                                           edgecolor="white"))
+                    # a full-size partial per rank, drawn as a stack of cards
+                    shift = 0.45 * (n - 1 - r)
+                    ax.add_patch(Rectangle((ox + shift, top - rows - shift), cols, rows,
+                                           facecolor=_rank_colour(r), alpha=0.95,
+                                           edgecolor="white", zorder=2 + r))
                     continue
                 ax.add_patch(Rectangle((ox + c0, top - r1), c1 - c0, r1 - r0,
                                        facecolor=_rank_colour(r), alpha=0.85,
                                        edgecolor="white"))
             label = {"x": "X", "w": "W", "y": "Y"}[name]
+            if name == "y" and ranks[0]["partial"]:
+                label = f"Y = sum of {n} full-size partials"
             ax.text(ox + cols / 2, top + 0.4, label, ha="center", va="bottom", fontsize=10)
         ax.text(Din + 1.25, Din - R / 2, "@", ha="center", va="center", fontsize=12)
         ax.text(Din + Dout + 4.75, Din - R / 2, "=", ha="center", va="center", fontsize=12)
