@@ -97,6 +97,7 @@ def test_every_exercise_has_a_reference_here():
     assert set(RIGHT) == set(EXERCISES)
 
 
+@pytest.mark.usefixtures("backend_name")  # tfcore's side on every available backend
 @pytest.mark.parametrize("op", sorted(RIGHT))
 def test_the_right_backward_passes(op):
     errors = check_backward(op, RIGHT[op], trials=4, seed=1)
