@@ -1,0 +1,190 @@
+"""One notation for the whole book: chapter 1's table defines every symbol once, the pages
+use it, and every notebook stores its cells' sources as lists of lines.
+
+The drift check reads the mathematics ($...$ and $$...$$) of every markdown cell of every
+chapter and of the Markdown pages, and flags the uses that the table rules out: the MLP width
+written D_ff (it is F), N_d for the data-parallel size (N_D), the loss written L(...) or as a
+bare \\ell (it is \\mathcal{L}; \\ell carries a token's subscript), hidden states written
+h_t or h^{(l)} (they are X; h is the finite-difference step) and the token count written
+N = BS or N_valid (it is T = BS and T_c). The errata appendix and the page of source notes
+quote the notes in the notes' own notation, so they are not checked.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = ROOT / "chapters"
+QUOTING = {"appendix_errata.ipynb", "source_notes.md"}  # quote the notes' notation
+
+# The notation every contributor uses (chapter 1's table must define each, once).
+REQUIRED = ("T", "T_c", "N", "L", "H", "D_h", "F", "N_T", "N_D", "X", "h", r"\epsilon",
+            r"\mathcal{L}", r"\ell_t", "G")
+
+NOT_AFTER = r"(?<![\\A-Za-z_{^])"  # not part of a longer name, a subscript or a command
+DRIFT = {
+    "D_ff (the MLP width is F)":
+        re.compile(r"[Dd]_\{?\s*(?:\\(?:text|mathrm|rm)\s*\{\s*)?ff\b"),
+    "N_d (the data-parallel size is N_D)": re.compile(r"N_\{?d\}?(?![A-Za-z_])"),
+    # L(x), L(\theta): a function, the loss; L(4D^2 + ...) is the layer count times a sum
+    # and the loss differentiated as \partial L, \nabla L or dL
+    "L for the loss (it is \\mathcal{L})": re.compile(
+        r"(?<!\\mathcal )(?<!\\mathcal)" + NOT_AFTER
+        + r"L\s*\((?=\s*(?:\\theta|[a-z]))"
+        + r"|\\(?:nabla|partial)\s*L(?![A-Za-z_{])|(?<![A-Za-z\\])dL(?![A-Za-z_])"
+    ),
+    "\\ell without a token subscript (the loss is \\mathcal{L})":
+        re.compile(r"(?:\\ell|ℓ)(?![_A-Za-z])"),
+    # h_t, h_l, h^{(l)}; h times a weight (h W, h\,W); a weight's gradient G^T h; h = tanh(.)
+    "h for hidden states (they are X; h is the step)": re.compile(
+        NOT_AFTER + r"h(?:_\{?[tl]\}?(?![A-Za-z0-9])|\^\{?\(l\))"
+        + "|" + NOT_AFTER + r"h\s*(?:\\[,;: ]\s*)?W"
+        + r"|\\top\s*h(?![A-Za-z_{^])"
+        + "|" + NOT_AFTER + r"h\s*=\s*\\(?:tanh|operatorname|mathrm|max|sigma)"
+    ),
+    "N = BS for the tokens (it is T)":
+        re.compile(r"(?<![A-Za-z_])N\s*=\s*B\s*(?:\\cdot\s*)?S"),
+    "N_valid / N_tok for the counted tokens (it is T_c)":
+        re.compile(r"N_\{?\\(?:text|mathrm)\{(?:valid|tok)"),
+}
+MATH = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$", re.S)
+
+
+def math_of(text: str) -> list[str]:
+    """The contents of every $...$ and $$...$$ in a Markdown text."""
+    return [m.group(1) if m.group(1) is not None else m.group(2) for m in MATH.finditer(text)]
+
+
+def drift(text: str) -> list[tuple[str, str]]:
+    """[(rule, the offending math)] for every use of a symbol the table rules out."""
+    found = []
+    for math in math_of(text):
+        for rule, pattern in DRIFT.items():
+            if pattern.search(math):
+                found.append((rule, math.strip()[:80]))
+    return found
+
+
+def markdown_of(path: Path) -> list[str]:
+    if path.suffix == ".md":
+        return [path.read_text()]
+    cells = json.loads(path.read_text())["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+
+
+def pages() -> list[Path]:
+    return sorted(CHAPTERS.glob("*.ipynb")) + sorted(CHAPTERS.glob("*.md")) + [ROOT / "index.md"]
+
+
+def _normalize(symbol: str) -> str:
+    symbol = symbol.strip().strip("$").replace(" ", "")
+    return re.sub(r"\\mathcal([A-Z])", r"\\mathcal{\1}", symbol)
+
+
+def notation_table() -> dict[str, list[str]]:
+    """{symbol: [meanings]} from the table under '| symbol | meaning |' in chapter 1."""
+    texts = markdown_of(CHAPTERS / "01_introduction.ipynb")
+    tables = [t for t in texts if "| symbol | meaning |" in t]
+    assert len(tables) == 1, "chapter 1 must have exactly one notation table"
+    rows = tables[0].split("| symbol | meaning |", 1)[1].splitlines()[2:]
+    table: dict[str, list[str]] = {}
+    for row in rows:
+        if not row.startswith("|"):
+            break
+        first, meaning = row.strip("|").split("|", 1)
+        # "$H$, $D_h$" and "$B, S, D$" both name several symbols; "$y = xW + b$" names one
+        cell = first.strip()
+        names = re.findall(r"\$([^$]+)\$", cell) or [cell]
+        for name in names:
+            parts = [name] if "=" in name else name.split(",")
+            for part in parts:
+                table.setdefault(_normalize(part), []).append(meaning.strip())
+    return table
+
+
+def test_the_table_defines_the_book_notation_once():
+    table = notation_table()
+    missing = [s for s in REQUIRED if s not in table]
+    assert not missing, f"chapter 1's notation table lacks {missing}"
+    twice = {s: m for s, m in table.items() if len(m) > 1}
+    assert not twice, f"symbols defined in more than one row: {twice}"
+
+
+def test_the_table_gives_the_agreed_meanings():
+    table = notation_table()
+    expected_words = {"T": "tokens", "T_c": "count", "N": "parameters", "L": "layers",
+                      "F": "MLP", "N_T": "tensor-parallel", "N_D": "data-parallel",
+                      "X": "hidden states", "h": "finite-difference step",
+                      r"\epsilon": "normalization", r"\mathcal{L}": "loss",
+                      r"\ell_t": "token", "G": "upstream gradient", "H": "heads"}
+    for symbol, word in expected_words.items():
+        assert word in table[symbol][0], (symbol, table[symbol][0], word)
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if p.name not in QUOTING],
+                         ids=lambda p: p.name)
+def test_pages_use_the_tables_notation(page):
+    found = [(rule, math) for text in markdown_of(page) for rule, math in drift(text)]
+    assert not found, f"{page.name}: " + "; ".join(f"{r}: ${m}$" for r, m in found)
+
+
+PLANTED = [
+    r"the MLP is $[B, S, D_\text{ff}]$", r"$D_{ff} = 4D$", r"$D_\mathrm{ff}$", r"$d_{ff}$",
+    r"$N_d$ replicas", r"$N_{d}$ replicas", r"$L(\theta) = \frac1T \sum_t \ell_t$",
+    r"$\ell = -\log p$", r"a loss $ℓ$", r"$h_t = \mathrm{LN}(x_t)$", r"$h^{(l)}$",
+    r"$h_{l}$", r"$Z = h\,W_E^\top$", r"$dZ^\top h$", r"$h = \tanh(Z)$", r"$y = hW$",
+    r"$N = B \cdot S$ tokens", r"$N = BS$", r"$dZ = P / N_\text{valid}$",
+    r"$$\begin{aligned} y &= L(x) \end{aligned}$$", r"$\partial L / \partial X$",
+    r"$\nabla L$", r"$\frac{dL}{dx}$",
+]
+CLEAN = [
+    r"$F = 4D$", r"$N_D$ replicas", r"$N_T$ ranks", r"$\mathcal{L}(\theta)$", r"$\ell_t$",
+    r"$\ell_{t}$", r"$X_L$ the last hidden states", r"$h = 10^{-6}$", r"$h^\ast$",
+    r"$(\mathcal L(x + hU) - \mathcal L(x - hU))/2h$", r"$W_{Q,h}$", r"$(b, h)$",
+    r"$T = B \cdot S$", r"$dZ = P / T_c$", r"$6NT$", r"$\mathcal L$", r"$D_h$",
+    r"$\frac{\partial \mathcal{L}}{\partial X}$", "plain text: L(x) and N = BS outside math",
+    r"$N_\text{mm} = L(4D^2 + 2DF) + DV$", r"$L(8TD + 2T)$", r"$\mathcal L(\theta + h u)$",
+    r"$\partial \mathcal{L} / \partial X_L$", r"$\nabla_\theta \mathcal L$", r"$dX_L$",
+]
+
+
+@pytest.mark.parametrize("text", PLANTED)
+def test_the_checker_flags_a_planted_symbol(text):
+    assert drift(text), f"not flagged: {text}"
+    assert drift(f"Some prose, then {text} and more.")  # inside a longer text too
+
+
+@pytest.mark.parametrize("text", CLEAN)
+def test_the_checker_leaves_the_book_notation_alone(text):
+    assert drift(text) == []
+
+
+def test_a_planted_row_twice_in_the_table_is_caught(tmp_path, monkeypatch):
+    nb = json.loads((CHAPTERS / "01_introduction.ipynb").read_text())
+    for cell in nb["cells"]:
+        text = "".join(cell["source"])
+        if "| symbol | meaning |" in text:
+            text = text.replace("| $u$ |", "| $T$ | the target of a regression |\n| $u$ |")
+            cell["source"] = text.splitlines(keepends=True)
+    (tmp_path / "01_introduction.ipynb").write_text(json.dumps(nb))
+    monkeypatch.setattr(sys.modules[__name__], "CHAPTERS", tmp_path)
+    with pytest.raises(AssertionError, match="more than one row"):
+        test_the_table_defines_the_book_notation_once()
+
+
+@pytest.mark.parametrize("notebook", sorted(CHAPTERS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_every_cell_source_is_a_list_of_lines(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    for i, cell in enumerate(cells):
+        source = cell["source"]
+        assert isinstance(source, list), f"{notebook.name} cell {i}: source is not a list"
+        assert all(isinstance(line, str) for line in source)
+        assert all(line.endswith("\n") for line in source[:-1]), (
+            f"{notebook.name} cell {i}: a line other than the last lacks its newline")
+        assert all("\n" not in line[:-1] for line in source), (
+            f"{notebook.name} cell {i}: a list item holds more than one line")
