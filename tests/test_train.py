@@ -322,6 +322,8 @@ def test_sample_next_refuses_non_finite_logits():
             sample_next(logits, temperature, None, None, rng)
     with pytest.raises(FloatingPointError, match="overflow"):
         sample_next(np.array([[0.0, 1e300]]), 1e-10, None, None, rng)
+    masked = np.array([[-np.inf, 0.0, 1.0]])              # an impossible token is allowed
+    assert sample_next(masked, 1.0, None, None, rng)[0] in (1, 2)
 
 
 def test_token_streams_of_floats_are_refused_not_truncated():
