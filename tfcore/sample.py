@@ -206,8 +206,13 @@ def main(argv=None) -> int:
                                 args.top_p, args.seed + i):
                 out.write(tokenizer.decode([token]))
                 out.flush()
-    except FloatingPointError as err:      # a checkpoint whose model overflows
-        print(f"\nerror: {err}", file=sys.stderr)
+    except FloatingPointError as err:
+        out.write("\n")
+        out.flush()
+        if "temperature" in str(err):      # a temperature so small that logits / T overflow
+            print(f"error: argument --temperature: {err}", file=sys.stderr)
+            return 2
+        print(f"error: {err}", file=sys.stderr)   # a checkpoint whose model overflows
         return 1
     out.write("\n")
     out.flush()

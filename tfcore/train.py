@@ -274,8 +274,8 @@ class Trainer:
                 part = "training" if len(train_ids) < len(self.val_ids) else "validation"
                 raise ConfigError("seq_len", f"({cfg.seq_len}) is too long for this text: its "
                                   f"{part} part holds {shortest} characters, and a window "
-                                  f"needs seq_len + 2 = {cfg.seq_len + 2}; lower --seq-len "
-                                  "or give a longer text")
+                                  f"needs seq_len + 2 = {cfg.seq_len + 2}; lower --seq-len, "
+                                  "change --val-fraction, or give a longer text")
             self.batches = data.TextBatches(train_ids, cfg.batch_size, cfg.seq_len, cfg.seed)
             self.val_batches = data.TextBatches(self.val_ids, cfg.batch_size, cfg.seq_len,
                                                 seed=_step_seed(cfg.seed, 0, 2))
