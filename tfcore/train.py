@@ -791,8 +791,13 @@ def _parser() -> argparse.ArgumentParser:
             kind = {"int": int, "float": float, "str": str, "int | None": int,
                     "str | None": str}[str(f.type)]
             metavar = "FILE" if f.name == "text" else f.name.upper()
+            default = (f"{OPTIONAL_SETTINGS[f.name]!r} for the tasks that read it"
+                       if f.name in OPTIONAL_SETTINGS else
+                       "runs/<preset or task>-<time>" if f.name == "out_dir" else
+                       "a UTF-8 file: sets --task text" if f.name == "text" else
+                       repr(f.default))
             parser.add_argument(flag(f.name), type=kind, default=None, metavar=metavar,
-                                help=f"(default {f.default!r})")
+                                help=f"(default {default})")
     return parser
 
 
