@@ -93,7 +93,8 @@ TRAIN_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("argv, flag", TRAIN_ERRORS, ids=[" ".join(a) for a, _ in TRAIN_ERRORS])
+@pytest.mark.parametrize("argv, flag", TRAIN_ERRORS,
+                         ids=[" ".join(a) for a, _ in TRAIN_ERRORS])
 def test_every_bad_train_argument_is_one_line_naming_it(files, tmp_path, monkeypatch, capsys,
                                                         argv, flag):
     monkeypatch.chdir(tmp_path)
@@ -111,11 +112,13 @@ SAMPLE_ERRORS = [
     (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--seed", "-1"], "--seed"), (["--num-samples", "0"], "--num-samples"),
     (["--prompt", ""], "--prompt"), (["--prompt", "caf\u00e9"], "--prompt"),
-    (["--tokens", "many"], "--tokens"), (["--prompt", "To", "--temperature", "1e-320"], "--temperature"),
+    (["--tokens", "many"], "--tokens"),
+    (["--prompt", "To", "--temperature", "1e-320"], "--temperature"),
 ]
 
 
-@pytest.mark.parametrize("argv, flag", SAMPLE_ERRORS, ids=[" ".join(a) for a, _ in SAMPLE_ERRORS])
+@pytest.mark.parametrize("argv, flag", SAMPLE_ERRORS,
+                         ids=[" ".join(a) for a, _ in SAMPLE_ERRORS])
 def test_every_bad_sample_argument_is_one_line_naming_it(files, capsys, argv, flag):
     status, out, err = run_main(sample_mod.main, ["--checkpoint", str(files["text_ckpt"]),
                                                   *argv], capsys)

@@ -1,28 +1,43 @@
 """Train a DecoderLM: ``python -m tfcore.train ...`` or ``train(TrainConfig(...))``.
 
-One step (``Trainer.train_step``)::
+    python -m tfcore.train --preset shakespeare-tiny       the bundled Shakespeare corpus
+    python -m tfcore.train --text my.txt --steps 2000      your own UTF-8 text, by character
+    python -m tfcore.plot runs/text-20260101-120000        its loss curves, to loss.png
 
-    lr      = warmup_cosine(step, ...)                      the schedule
+One step (``Trainer.train_step``), in this order (a test checks it against a loop written
+out by hand)::
+
     x, y    = batches.next()                                [B, S] int64, seeded sampler
     params.zero_grad()                                      one write over the flat buffer
     loss    = model.forward(x, y, training=True, rng=...)   dropout keyed by (seed, step)
     model.backward()                                        every gradient into params.grad
-    clip_grad_norm(params.grad, grad_clip)                  global norm
-    AdamW step                                              a few ops over the flat buffers
+    clip_grad_norm(params.grad, grad_clip)                  global norm (nan/inf: an error)
+    lr      = warmup_cosine(step, ...)                      the schedule, checked when set
+    AdamW step                                              refuses a nan or inf gradient
+
+Before the first step the constructor checks every setting (ConfigError names it), reads
+the data, builds every batcher and proves the output folder writable, so a run that starts
+can save. A run with an output folder (the command line's default is
+``runs/<preset or task>-<time>``) appends each step's loss, learning rate, gradient norm
+and tokens/s, and each evaluation, to ``log.jsonl`` there, one JSON object per line.
 
 A checkpoint (``Trainer.save``) is one ``.npz`` file: the flat parameters, the optimizer's
 two moment buffers, and one JSON document (the configs, the step, the optimizer's scalars,
 the sampler's generator state, the tokenizer, the history). It is written to a temporary
 file in the same folder, flushed to disk, then renamed over the old one (``os.replace`` is
-atomic), so a crash while saving leaves the previous checkpoint whole. Loading reads with
-``allow_pickle=False``, checks everything (format, config, layout, shapes) before it
-changes anything, and resuming continues bit for bit: the same parameters after N straight
-steps as after N/2, save, load, N/2.
+atomic), so a crash while saving leaves the previous checkpoint whole; the next save
+removes the temporary file a killed one left. Non-finite parameters or moments are never
+saved. Loading reads with ``allow_pickle=False``, refuses an entry whose header claims more
+than it holds before allocating, checks everything (format, config, layout, shapes, the
+optimizer state with the optimizer's own checks, sampler state, history, step, tokenizer)
+before it changes anything, and resuming continues bit for bit: the same parameters after
+N straight steps as after N/2, save, load, N/2.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import hashlib
 import json
 import math
@@ -614,7 +629,7 @@ def atomic_write(path: Path, arrays: dict) -> None:
     (.checkpoint.npz.*.tmp) are removed first.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         try:
             stale.unlink()
         except OSError:
@@ -641,12 +656,6 @@ def atomic_write(path: Path, arrays: dict) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 def _check_entry_sizes(path: Path) -> None:
