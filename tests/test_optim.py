@@ -277,3 +277,100 @@ def test_adamw_on_real_parameters_decays_only_weight_matrices(backend_name, rng)
         start, stop = params.offsets[name]
         factor = 0.95**3 if name.endswith(".W") else 1.0
         assert relerr(out[start:stop], p0[start:stop] * factor) < 1e-12, name
+
+
+# -- no silent poison ----------------------------------------------------------------------
+
+def _adamw(n=6, **kw):
+    params = FlatParams(np.linspace(-1, 1, n), np.ones(n))
+    return params, optim.AdamW(params, lr=1e-2, **kw)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW"])
+def test_a_non_finite_gradient_is_refused_before_anything_changes(kind, bad):
+    params = FlatParams(np.linspace(-1, 1, 6), np.ones(6))
+    opt = optim.OPTIMIZERS[kind](params, lr=1e-2)
+    params.grad[...] = dev(np.arange(6.0))
+    opt.step()
+    before = {k: host(v) for k, v in opt.state_dict().items() if hasattr(v, "shape")}
+    p_before, t_before = host(params.data), opt.t
+    params.grad[2] = bad
+    with pytest.raises(FloatingPointError, match="nan or inf"):
+        opt.step()
+    assert np.array_equal(host(params.data), p_before) and opt.t == t_before
+    for k, v in before.items():
+        assert np.array_equal(host(getattr(opt, k)), v)
+
+
+def test_skip_nonfinite_skips_and_counts_the_step():
+    params, opt = _adamw(skip_nonfinite=True)
+    params.grad[...] = dev(np.ones(6))
+    opt.step()
+    p_before = host(params.data)
+    params.grad[0] = np.nan
+    opt.step()
+    assert opt.skipped == 1 and opt.t == 1 and np.array_equal(host(params.data), p_before)
+    state = opt.state_dict()
+    assert state["skipped"] == 1
+    _, other = _adamw(skip_nonfinite=True)
+    other.load_state_dict(state)
+    assert other.skipped == 1 and other.t == 1
+
+
+@pytest.mark.parametrize("name, value", [
+    ("lr", float("nan")), ("lr", -1e-3), ("lr", float("inf")), ("weight_decay", float("inf")),
+    ("weight_decay", -0.1), ("eps", 0.0), ("eps", float("nan")), ("betas", (1.0, 0.9)),
+    ("betas", (0.9, float("nan"))), ("betas", (0.9,)), ("lr", "0.1"), ("lr", True)])
+def test_hyperparameters_are_checked_whenever_they_are_set(name, value):
+    params, opt = _adamw()
+    with pytest.raises((TypeError, ValueError), match=name.rstrip("s") if name != "betas"
+                       else "beta"):
+        setattr(opt, name, value)
+    with pytest.raises((TypeError, ValueError)):
+        optim.AdamW(params, **{"lr": 1e-2, name: value})
+
+
+def test_a_schedule_cannot_set_a_bad_learning_rate_but_may_reach_zero():
+    params, opt = _adamw()
+    opt.lr = 0.0                                      # the end of a cosine to min_lr = 0
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="lr"):
+            opt.lr = bad
+    assert opt.lr == 0.0
+
+
+@pytest.mark.parametrize("fn, kwargs, name", [
+    (optim.adamw_update, dict(lr=float("nan")), "lr"),
+    (optim.adamw_update, dict(lr=1e-3, weight_decay=float("inf")), "weight_decay"),
+    (optim.adamw_update, dict(lr=1e-3, eps=float("inf")), "eps"),
+    (optim.sgd_update, dict(lr=-1.0), "lr")])
+def test_the_functional_updates_check_their_scalars(fn, kwargs, name):
+    p, g, m, v = (dev(np.ones(3)) for _ in range(4))
+    args = (p, g, m, v, 1) if fn is optim.adamw_update else (p, g, None)
+    with pytest.raises(ValueError, match=name):
+        fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.update(m=np.full(6, np.nan)), "m holds nan"),
+    (lambda s: s.update(v=-np.ones(6)), "negative"),
+    (lambda s: s.update(v=np.full(6, np.inf)), "v holds nan or inf"),
+    (lambda s: s.update(t=0), "t = 0"),
+    (lambda s: s.update(t=-1), "integer >= 0"),
+    (lambda s: s.update(t=1.5), "integer >= 0"),
+    (lambda s: s.update(lr=float("nan")), "lr"),
+    (lambda s: s.update(betas=(0.5, 0.999)), "betas"),
+    (lambda s: s.update(kind="SGD"), "SGD")])
+def test_check_state_dict_refuses_a_poisoned_state_and_changes_nothing(change, match):
+    params, opt = _adamw()
+    params.grad[...] = dev(np.arange(6.0))
+    opt.step()
+    state = {k: (host(v) if hasattr(v, "shape") else v) for k, v in opt.state_dict().items()}
+    change(state)
+    fresh_params, fresh = _adamw()
+    before = (host(fresh_params.data), host(fresh.m), host(fresh.v), fresh.t, fresh.lr)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(state)
+    after = (host(fresh_params.data), host(fresh.m), host(fresh.v), fresh.t, fresh.lr)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))

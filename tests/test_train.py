@@ -257,3 +257,93 @@ def test_gaussian_sequences_are_standardized_per_token():
     assert np.allclose(x.mean(-1), 0, atol=1e-12) and np.allclose(x.var(-1), 1, atol=1e-12)
     raw = host(data.GaussianSequences(3, 5, 64, standardize=False, seed=1).x)
     assert not np.allclose(raw.var(-1), 1, atol=1e-2)
+
+
+# -- the loop's order, and no silent poison ------------------------------------------------
+
+def test_the_training_loop_is_schedule_clip_step_zero_as_written_by_hand():
+    """Trainer.train_step against a loop written out here on the same model and batches:
+    zero, forward, backward, clip, the scheduled lr, step. Setting the lr after the step,
+    clipping after it, or not zeroing, each changes the parameters."""
+    from tfcore import optim
+    from tfcore.models.decoder import DecoderLM
+
+    cfg = TrainConfig(task="shakespeare", seq_len=8, d_model=8, n_layers=1, n_heads=2,
+                      steps=5, batch_size=3, lr=5e-2, min_lr=1e-2, warmup_steps=2,
+                      weight_decay=0.1, grad_clip=0.05, dtype="float64", progress=False)
+    trainer = Trainer(cfg)
+    norms = []
+    for _ in range(cfg.steps):
+        trainer.train_step()
+        norms.append(trainer.last_grad_norm)
+
+    model = DecoderLM(trainer.model_config).init(cfg.seed)
+    params = model.params
+    opt = optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                      weight_decay=cfg.weight_decay)
+    batches = data.TextBatches(trainer.batches.ids, cfg.batch_size, cfg.seq_len, cfg.seed)
+    hand_norms = []
+    for step in range(cfg.steps):
+        x, y = batches.next()
+        params.zero_grad()
+        model.forward(x, y, training=True)
+        model.backward()
+        hand_norms.append(optim.clip_grad_norm(params.grad, cfg.grad_clip))
+        opt.lr = optim.warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr)
+        opt.step()
+    assert np.array_equal(host(trainer.params.data), host(params.data))
+    assert norms == hand_norms and min(norms) > cfg.grad_clip          # clipping was active
+    assert opt.lr == trainer.optimizer.lr != cfg.lr
+
+
+def test_a_nan_gradient_stops_training_before_it_reaches_the_parameters(monkeypatch):
+    cfg = dataclasses.replace(TINY, dropout=0.0, grad_clip=0.0)       # seed002's no-clip case
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    before = host(trainer.params.data)
+    backward = trainer.model.backward
+
+    def poisoned():
+        backward()
+        trainer.params.grad[0] = float("nan")
+    monkeypatch.setattr(trainer.model, "backward", poisoned)
+    with pytest.raises(FloatingPointError, match="nan or inf"):
+        trainer.train_step()
+    assert np.array_equal(host(trainer.params.data), before)
+
+
+def test_sample_next_refuses_non_finite_logits():
+    from tfcore.models.decoder import sample_next
+
+    rng = np.random.default_rng(0)
+    logits = np.array([[0.0, 1.0, np.nan]])
+    for temperature in (0.0, 1.0):
+        with pytest.raises(FloatingPointError, match="nan or inf"):
+            sample_next(logits, temperature, None, None, rng)
+    with pytest.raises(FloatingPointError, match="overflow"):
+        sample_next(np.array([[0.0, 1e300]]), 1e-10, None, None, rng)
+    masked = np.array([[-np.inf, 0.0, 1.0]])              # an impossible token is allowed
+    assert sample_next(masked, 1.0, None, None, rng)[0] in (1, 2)
+
+
+def test_token_streams_of_floats_are_refused_not_truncated():
+    with pytest.raises(TypeError, match="integers"):
+        data.TextBatches(np.arange(40) + 0.7, 2, 4)
+
+
+def test_read_text_file_says_what_is_wrong(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"abc\xffdef")
+    with pytest.raises(ValueError, match="byte 0xff at offset 3"):
+        data.read_text_file(bad)
+    good = tmp_path / "good.txt"
+    good.write_text("h\u00e9llo \u4e16\u754c", encoding="utf-8")
+    assert data.read_text_file(good) == "h\u00e9llo \u4e16\u754c"
+
+
+@pytest.mark.parametrize("field, value", [("steps", 2.0), ("progress", "no"), ("seed", True),
+                                          ("lr", "0.1"), ("norm", "batchnorm")])
+def test_config_values_of_the_wrong_type_are_refused(field, value):
+    with pytest.raises(train_mod.ConfigError) as err:
+        dataclasses.replace(TINY, **{field: value}).validate()
+    assert err.value.field == field

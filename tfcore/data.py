@@ -32,6 +32,31 @@ def load_corpus(name: str = "shakespeare") -> str:
     return (resources.files("tfcore") / "corpus" / CORPORA[name]).read_text(encoding="ascii")
 
 
+def read_text_file(path) -> str:
+    """The text of a UTF-8 file, for training on your own text (``--text FILE``).
+
+    ValueError, saying what to do, for a missing or unreadable file, a folder, an empty
+    file, or bytes that are not UTF-8 (with the offset of the first one).
+    """
+    try:
+        raw = open(path, "rb").read()
+    except FileNotFoundError:
+        raise ValueError(f"{str(path)!r}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{str(path)!r} is a folder, not a text file") from None
+    except OSError as err:
+        raise ValueError(f"{str(path)!r} cannot be read: {err.strerror or err}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text: byte {raw[err.start]:#04x} at "
+                         f"offset {err.start} cannot be decoded (convert the file to UTF-8, "
+                         "e.g. with iconv)") from None
+    if not text:
+        raise ValueError(f"{str(path)!r} is empty")
+    return text
+
+
 class CharTokenizer:
     """One id per distinct character, in sorted order: id i is chars[i]."""
 
@@ -88,7 +113,15 @@ class _Seeded:
 
     @state.setter
     def state(self, value: dict) -> None:
+        self.check_state(value)
         self.rng.bit_generator.state = value
+
+    def check_state(self, value) -> None:
+        """Raise (ValueError, TypeError or KeyError) unless value is a PCG64 state; changes
+        nothing (a checkpoint is checked whole before anything is loaded)."""
+        if not isinstance(value, dict) or value.get("bit_generator") != "PCG64":
+            raise ValueError(f"expected a PCG64 generator state, got {value!r:.80}")
+        np.random.PCG64().state = value
 
 
 class TextBatches(_Seeded):
@@ -100,7 +133,10 @@ class TextBatches(_Seeded):
 
     def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int = 0):
         super().__init__(seed)
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":   # floats would be truncated into other tokens
+            raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64)
         if ids.ndim != 1 or len(ids) < seq_len + 2:
             raise ValueError(f"need a 1-D stream of at least seq_len + 2 = {seq_len + 2} ids, "
                              f"got shape {ids.shape}")
@@ -223,6 +259,9 @@ class GaussianSequences:
 
     @state.setter
     def state(self, value: dict) -> None:
+        self.check_state(value)
+
+    def check_state(self, value) -> None:
         if value != {"seed": self.seed}:
             raise ValueError(f"sampler state {value} is not this data set's {{'seed': "
                              f"{self.seed}}}")

@@ -17,10 +17,18 @@ Adam is seed 002's form, with bias correction (derived in the Training chapter):
 
 AdamW (Loshchilov and Hutter) adds decoupled weight decay, ``theta <- theta - lr wd theta``,
 applied only where the decay mask is 1 (weight matrices; not biases, norm gains, embeddings).
+
+No silent poison: every hyperparameter is checked whenever it is set (also by a schedule,
+``opt.lr = ...``), and ``step()`` refuses a gradient holding nan or inf (FloatingPointError)
+before it touches the parameters or the moments. With ``skip_nonfinite=True`` such a step is
+skipped instead and counted in ``opt.skipped`` (what mixed-precision loss scaling does with
+an overflowed step); ``opt.t`` counts only the updates really made.
 """
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from . import checks, kernels
 from .backend import is_cupy, is_numpy, namespace, to_numpy
@@ -47,6 +55,23 @@ def _check_state(p, g, **state):
             checks.shape(name, x, (p.shape[0],))
 
 
+def check_hyperparameter(name: str, value) -> float:
+    """The value of an optimizer's hyperparameter `name` as a float, or a ValueError naming it.
+
+    lr, weight_decay, momentum: finite and >= 0 (a schedule may reach lr = 0);
+    eps: finite and > 0; beta1, beta2: in [0, 1).
+    """
+    value = checks.real(name, value)
+    if name in ("beta1", "beta2"):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {value}")
+    elif name == "eps":
+        checks.positive(name, value)
+    elif not (value >= 0.0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
 def sgd_update(p, g, buf, lr: float, momentum: float = 0.0):
     """In place: buf <- momentum buf + g, p <- p - lr buf (plain SGD when momentum is 0).
 
@@ -54,8 +79,8 @@ def sgd_update(p, g, buf, lr: float, momentum: float = 0.0):
     when momentum is 0). This is PyTorch's form: the first step moves by lr g.
     """
     _check_state(p, g, buf=buf)
-    if not momentum >= 0.0:
-        raise ValueError(f"momentum must be >= 0, got {momentum}")
+    check_hyperparameter("lr", lr)
+    check_hyperparameter("momentum", momentum)
     if momentum == 0.0:
         p -= lr * g
         return
@@ -85,13 +110,9 @@ def adamw_update(p, g, m, v, step: int, lr: float, beta1: float = 0.9, beta2: fl
     _check_state(p, g, m=m, v=v, decay_mask=decay_mask)
     if int(step) != step or step < 1:
         raise ValueError(f"step counts the updates made, starting at 1; got {step}")
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must lie in [0, 1), got {beta}")
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
-    if not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
+                        ("weight_decay", weight_decay)):
+        check_hyperparameter(name, value)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
     if kernels.applies(p, g, m, v, decay_mask):
@@ -192,58 +213,128 @@ def warmup_cosine(step: int, max_lr: float, warmup_steps: int, total_steps: int,
 
 
 class _Optimizer:
-    """Shared by the optimizers: holds `params` (data [N], grad [N]) and the step count."""
+    """Shared by the optimizers: holds `params` (data [N], grad [N]) and the step count.
+
+    t counts the updates made; skipped counts the steps refused for a non-finite gradient
+    when skip_nonfinite is True. Hyperparameters are checked on every assignment.
+    """
 
     kind = "optimizer"
     _buffers: tuple[str, ...] = ()
     _hyper: tuple[str, ...] = ()
 
-    def __init__(self, params):
+    def __init__(self, params, skip_nonfinite: bool = False):
         for attr in ("data", "grad"):
             if not hasattr(params, attr):
                 raise TypeError(f"an optimizer takes a tfcore.nn.Parameters (with .data and "
                                 f".grad), got {type(params).__name__}")
         checks.ndim("params.data", params.data, 1)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
         self.params = params
+        self.skip_nonfinite = skip_nonfinite
         self.t = 0  # updates made so far
+        self.skipped = 0  # steps skipped for a non-finite gradient
+
+    def __setattr__(self, name, value):
+        # Every hyperparameter is checked when it is set: a schedule cannot slip in a nan.
+        if name in ("lr", "momentum", "eps", "weight_decay"):
+            value = check_hyperparameter(name, value)
+        elif name == "betas":
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise ValueError(f"betas must be a pair (beta1, beta2), got {value!r}")
+            value = (check_hyperparameter("beta1", value[0]),
+                     check_hyperparameter("beta2", value[1]))
+        object.__setattr__(self, name, value)
 
     def _zeros(self):
         xp = namespace(self.params.data)
         return xp.zeros_like(self.params.data)
 
+    def _gradient_is_finite(self) -> bool:
+        """True when params.grad holds no nan or inf; otherwise raise, or count a skip."""
+        xp = namespace(self.params.grad)
+        if bool(xp.all(xp.isfinite(self.params.grad))):
+            return True
+        if self.skip_nonfinite:
+            self.skipped += 1
+            return False
+        raise FloatingPointError(
+            f"the gradient holds nan or inf (update {self.t + 1}): refusing to update the "
+            "parameters; find the overflow, lower the learning rate, or create the optimizer "
+            "with skip_nonfinite=True to skip such steps and count them")
+
     def state_dict(self) -> dict:
-        """{'kind', 't', hyperparameters..., buffers...}: scalars and flat arrays [N] only
-        (the arrays are the optimizer's own: copy them before changing them)."""
-        state = {"kind": self.kind, "t": self.t}
+        """{'kind', 't', 'skipped', hyperparameters..., buffers...}: scalars and flat arrays
+        [N] only (the arrays are the optimizer's own: copy them before changing them)."""
+        state = {"kind": self.kind, "t": self.t, "skipped": self.skipped}
         state.update({name: getattr(self, name) for name in self._hyper})
         state.update({name: getattr(self, name) for name in self._buffers})
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict: checks everything first, then copies (nothing changes on error)."""
+    def check_state_dict(self, state: dict) -> dict:
+        """Check a state_dict against this optimizer without changing anything.
+
+        Refuses another kind, other hyperparameters (lr excepted: a schedule sets it), a
+        step count that is not an integer >= 0, buffers of another shape, holding nan or
+        inf, a negative second moment, or non-zero moments before the first update.
+        Returns the buffers as host arrays {name: [N]}.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"optimizer state must be a dict, got {type(state).__name__}")
         if state.get("kind") != self.kind:
             raise ValueError(f"optimizer state is for {state.get('kind')!r}, not {self.kind!r}")
         missing = [k for k in ("t", *self._hyper, *self._buffers) if k not in state]
         if missing:
             raise ValueError(f"optimizer state lacks {', '.join(missing)}")
+        for name in ("t", "skipped"):
+            value = state.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"optimizer state {name} must be an integer >= 0, got "
+                                 f"{value!r}")
         for name in self._hyper:
             ours, theirs = getattr(self, name), state[name]
+            try:
+                if name == "betas":
+                    if not isinstance(theirs, (tuple, list)) or len(theirs) != 2:
+                        raise ValueError(f"betas must be a pair, got {theirs!r}")
+                    for b_name, b in zip(("beta1", "beta2"), theirs):
+                        check_hyperparameter(b_name, b)
+                else:
+                    check_hyperparameter(name, theirs)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"optimizer state: {err}") from None
             if name != "lr" and _as_tuple(ours) != _as_tuple(theirs):
                 raise ValueError(f"optimizer state has {name}={theirs!r}, this optimizer "
                                  f"{name}={ours!r}")
         n = self.params.data.shape[0]
-        xp = namespace(self.params.data)
         arrays = {}
         for name in self._buffers:
-            host = state[name]
+            host = np.asarray(to_numpy(state[name]))
             if tuple(host.shape) != (n,):
                 raise ValueError(f"optimizer state {name} has shape {tuple(host.shape)}, the "
                                  f"parameters ({n},)")
+            if host.dtype.kind != "f":
+                raise ValueError(f"optimizer state {name} must hold floats, got {host.dtype}")
+            if not np.all(np.isfinite(host)):
+                raise ValueError(f"optimizer state {name} holds nan or inf")
+            if name == "v" and np.any(host < 0):
+                raise ValueError("optimizer state v (the second moment) holds negative values")
+            if int(state["t"]) == 0 and np.any(host != 0):
+                raise ValueError(f"optimizer state has t = 0 (no update made) but a non-zero "
+                                 f"{name}")
             arrays[name] = host
+        return arrays
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict: checks everything first, then copies (nothing changes on error)."""
+        arrays = self.check_state_dict(state)
+        xp = namespace(self.params.data)
         self.t = int(state["t"])
+        self.skipped = int(state.get("skipped", 0))
         self.lr = float(state["lr"])
         for name, host in arrays.items():
-            getattr(self, name)[...] = xp.asarray(to_numpy(host), dtype=self.params.data.dtype)
+            getattr(self, name)[...] = xp.asarray(host, dtype=self.params.data.dtype)
 
 
 def _as_tuple(x):
@@ -257,16 +348,17 @@ class SGD(_Optimizer):
     _buffers = ("momentum_buffer",)
     _hyper = ("lr", "momentum")
 
-    def __init__(self, params, lr: float, momentum: float = 0.0):
-        super().__init__(params)
+    def __init__(self, params, lr: float, momentum: float = 0.0, skip_nonfinite: bool = False):
+        super().__init__(params, skip_nonfinite)
         checks.positive("lr", lr)
-        if not momentum >= 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        self.lr, self.momentum = float(lr), float(momentum)
+        self.lr, self.momentum = lr, momentum
         self.momentum_buffer = self._zeros()
 
     def step(self) -> None:
-        """One update from params.grad, in place on params.data."""
+        """One update from params.grad, in place on params.data (none for a non-finite
+        gradient: FloatingPointError, or a counted skip with skip_nonfinite)."""
+        if not self._gradient_is_finite():
+            return
         self.t += 1
         sgd_update(self.params.data, self.params.grad, self.momentum_buffer, self.lr,
                    self.momentum)
@@ -285,11 +377,12 @@ class AdamW(_Optimizer):
     _hyper = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, decay_mask=None):
-        super().__init__(params)
+                 eps: float = 1e-8, weight_decay: float = 0.01, decay_mask=None,
+                 skip_nonfinite: bool = False):
+        super().__init__(params, skip_nonfinite)
         checks.positive("lr", lr)
-        self.lr, self.betas = float(lr), (float(betas[0]), float(betas[1]))
-        self.eps, self.weight_decay = float(eps), float(weight_decay)
+        self.lr, self.betas = lr, betas
+        self.eps, self.weight_decay = eps, weight_decay
         if self.weight_decay and decay_mask is None:
             decay_mask = params.decay_mask()
         if decay_mask is not None:
@@ -299,13 +392,12 @@ class AdamW(_Optimizer):
         self.decay_mask = decay_mask
         self.m = self._zeros()
         self.v = self._zeros()
-        if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if not self.eps > 0 or not self.weight_decay >= 0:
-            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {eps}, {weight_decay}")
 
     def step(self) -> None:
-        """One update from params.grad, in place on params.data, m and v."""
+        """One update from params.grad, in place on params.data, m and v (none for a
+        non-finite gradient: FloatingPointError, or a counted skip with skip_nonfinite)."""
+        if not self._gradient_is_finite():
+            return
         self.t += 1
         adamw_update(self.params.data, self.params.grad, self.m, self.v, self.t, self.lr,
                      self.betas[0], self.betas[1], self.eps, self.weight_decay,
@@ -319,8 +411,9 @@ class Adam(AdamW):
     _hyper = ("lr", "betas", "eps")
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+                 eps: float = 1e-8, skip_nonfinite: bool = False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
+                         skip_nonfinite=skip_nonfinite)
 
 
 OPTIMIZERS = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}

@@ -1,29 +1,46 @@
 """Train a DecoderLM: ``python -m tfcore.train ...`` or ``train(TrainConfig(...))``.
 
-One step (``Trainer.train_step``)::
+    python -m tfcore.train --preset shakespeare-tiny       the bundled Shakespeare corpus
+    python -m tfcore.train --text my.txt --steps 2000      your own UTF-8 text, by character
+    python -m tfcore.plot runs/text-20260101-120000        its loss curves, to loss.png
 
-    lr      = warmup_cosine(step, ...)                      the schedule
+One step (``Trainer.train_step``), in this order (a test checks it against a loop written
+out by hand)::
+
     x, y    = batches.next()                                [B, S] int64, seeded sampler
     params.zero_grad()                                      one write over the flat buffer
     loss    = model.forward(x, y, training=True, rng=...)   dropout keyed by (seed, step)
     model.backward()                                        every gradient into params.grad
-    clip_grad_norm(params.grad, grad_clip)                  global norm
-    AdamW step                                              a few ops over the flat buffers
+    clip_grad_norm(params.grad, grad_clip)                  global norm (nan/inf: an error)
+    lr      = warmup_cosine(step, ...)                      the schedule, checked when set
+    AdamW step                                              refuses a nan or inf gradient
+
+Before the first step the constructor checks every setting (ConfigError names it), reads
+the data, builds every batcher and proves the output folder writable, so a run that starts
+can save. A run with an output folder (the command line's default is
+``runs/<preset or task>-<time>``) appends each step's loss, learning rate, gradient norm
+and tokens/s, and each evaluation, to ``log.jsonl`` there, one JSON object per line.
 
 A checkpoint (``Trainer.save``) is one ``.npz`` file: the flat parameters, the optimizer's
 two moment buffers, and one JSON document (the configs, the step, the optimizer's scalars,
 the sampler's generator state, the tokenizer, the history). It is written to a temporary
 file in the same folder, flushed to disk, then renamed over the old one (``os.replace`` is
-atomic), so a crash while saving leaves the previous checkpoint whole. Loading reads with
-``allow_pickle=False``, checks everything (format, config, layout, shapes) before it
-changes anything, and resuming continues bit for bit: the same parameters after N straight
-steps as after N/2, save, load, N/2.
+atomic), so a crash while saving leaves the previous checkpoint whole; the next save
+removes the temporary file a killed one left. Non-finite parameters or moments are never
+saved. Loading reads with ``allow_pickle=False``, refuses an entry whose header claims more
+than it holds before allocating, checks everything (format, config, layout, shapes, the
+optimizer state with the optimizer's own checks, sampler state, history, step, tokenizer)
+before it changes anything, and resuming continues bit for bit: the same parameters after
+N straight steps as after N/2, save, load, N/2.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -35,30 +52,63 @@ from pathlib import Path
 import numpy as np
 
 from . import backend, data, optim
+from .backend import FLOAT_DTYPES
 from .models.decoder import DecoderConfig, DecoderLM
 
 FORMAT, VERSION = "tfcore-checkpoint", 1
-TASKS = ("shakespeare", "reverse", "sort", "autoencoder")
+TASKS = ("shakespeare", "text", "reverse", "sort", "autoencoder")
+
+
+class ConfigError(ValueError):
+    """A training setting that cannot work; `field` names it (the CLI prints its flag)."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field} {detail}")
+        self.field, self.detail = field, detail
+
+
+# The settings each task reads. One that a task ignores stays None: given, it is refused
+# rather than written into a checkpoint that would then describe a model it is not.
+TASK_SETTINGS = {
+    "text": ("seq_len", "norm", "mlp", "position"),
+    "digits": ("n_digits", "norm", "mlp", "position"),
+    "autoencoder": ("seq_len", "standardize"),
+}
+OPTIONAL_SETTINGS = {"n_digits": 6, "seq_len": 64, "standardize": True,
+                     "norm": "layernorm", "mlp": "gelu", "position": "learned"}
+
+
+def task_family(task: str) -> str:
+    """'text' (shakespeare, text), 'digits' (reverse, sort) or 'autoencoder'."""
+    return {"shakespeare": "text", "text": "text", "reverse": "digits",
+            "sort": "digits"}.get(task, task)
 
 
 @dataclass
 class TrainConfig:
     """Everything that decides a training run. Fields below `out_dir` may change on resume;
-    every other field must match the checkpoint's."""
+    every other field must match the checkpoint's.
 
-    task: str = "shakespeare"     # 'shakespeare' (characters), a DigitTask ('reverse', 'sort'),
-                                  # or 'autoencoder' (seed 002: reconstruct Gaussian sequences)
-    n_digits: int = 6             # digit tasks: digits per sequence (x, y are [B, 2n])
-    seq_len: int = 64             # text: the context length S; autoencoder: T
-    standardize: bool = True      # autoencoder: rows of mean 0, variance 1 (else raw N(0, 1))
+    Settings marked (task) are read by some tasks only: left None they take the task's
+    default (n_digits 6, seq_len 64, standardize True, layernorm, gelu, learned), and a
+    task that does not read one refuses it.
+    """
+
+    task: str = "shakespeare"     # 'shakespeare' (characters), 'text' (characters of the
+                                  # file `text`), a DigitTask ('reverse', 'sort'), or
+                                  # 'autoencoder' (seed 002: reconstruct Gaussian sequences)
+    text: str | None = None       # task 'text': a UTF-8 file to learn, character by character
+    n_digits: int | None = None   # (task) digit tasks: digits per sequence (x, y [B, 2n])
+    seq_len: int | None = None    # (task) text: the context length S; autoencoder: T
+    standardize: bool | None = None  # (task) autoencoder: rows of mean 0, variance 1
     val_fraction: float = 0.1     # text: the last tenth of the corpus is validation
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
     d_ff: int | None = None       # None: 4 d_model
-    position: str = "learned"
-    norm: str = "layernorm"
-    mlp: str = "gelu"
+    position: str | None = None   # (task) decoder: learned, sinusoidal or rotary
+    norm: str | None = None       # (task) decoder: layernorm or rmsnorm
+    mlp: str | None = None        # (task) decoder: gelu, relu or swiglu
     dropout: float = 0.0
     dtype: str = "float32"
     steps: int = 200              # total updates (also the end of the cosine schedule)
@@ -72,23 +122,92 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0        # 0 turns clipping off
     seed: int = 0                 # model init, batches and dropout all derive from it
-    out_dir: str | None = None    # where checkpoint.npz goes (None: no checkpoint)
+    out_dir: str | None = None    # where checkpoint.npz and log.jsonl go (None: neither)
     eval_interval: int = 50       # evaluate every this many steps (and at the end)
     eval_batches: int = 4         # validation batches per evaluation (the same ones each time)
     checkpoint_interval: int = 0  # save every this many steps (0: only at the end)
-    progress: bool = True         # show a tqdm progress bar
+    progress: bool = True         # show a tqdm progress bar and the evaluations
+
+    def __post_init__(self):
+        family = task_family(self.task) if isinstance(self.task, str) else None
+        for name, default in OPTIONAL_SETTINGS.items():
+            if getattr(self, name) is None and name in TASK_SETTINGS.get(family, ()):
+                setattr(self, name, default)
 
     def validate(self) -> "TrainConfig":
+        """Raise ConfigError naming the first setting that cannot work; return self."""
+        from .models.blocks import MLPS
+        from .models.decoder import POSITIONS
+
         if self.task not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"warmup_steps must lie in [0, steps={self.steps}], got "
-                             f"{self.warmup_steps}")
-        if self.grad_clip < 0 or self.checkpoint_interval < 0:
-            raise ValueError("grad_clip and checkpoint_interval must be >= 0")
+            raise ConfigError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
+        family = task_family(self.task)
+        for name in OPTIONAL_SETTINGS:
+            if name not in TASK_SETTINGS[family] and getattr(self, name) is not None:
+                raise ConfigError(name, f"is not read by task {self.task!r} (it sets "
+                                  f"{', '.join(TASK_SETTINGS[family])}): leave it out")
+        if self.task == "text":
+            if not isinstance(self.text, str) or not self.text:
+                raise ConfigError("text", "must name a UTF-8 file for task 'text'")
+        elif self.text is not None:
+            raise ConfigError("text", f"is only read by task 'text', not {self.task!r}")
+        ints = {"d_model": 1, "n_layers": 1, "n_heads": 1, "steps": 1, "batch_size": 1,
+                "eval_interval": 1, "eval_batches": 1, "warmup_steps": 0,
+                "checkpoint_interval": 0, "seed": 0, "seq_len": 1, "d_ff": 1}
+        for name, low in ints.items():
+            value = getattr(self, name)
+            if value is None and name in ("seq_len", "d_ff"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ConfigError(name, f"must be an integer, got {value!r}")
+            if value < low:
+                raise ConfigError(name, f"must be an integer >= {low}, got {value}")
+        if self.seed >= 2**63:
+            raise ConfigError("seed", f"must be below 2**63, got {self.seed}")
+        if self.n_digits is not None and (isinstance(self.n_digits, bool) or not isinstance(
+                self.n_digits, (int, np.integer)) or not 2 <= self.n_digits <= 18):
+            raise ConfigError("n_digits", f"must be an integer in [2, 18], got {self.n_digits!r}")
+        for name in ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
+                     "dropout", "val_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating,
+                                                                 np.integer)):
+                raise ConfigError(name, f"must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ConfigError(name, f"must be finite, got {value}")
+        ranges = {"lr": (self.lr > 0, "must be > 0"),
+                  "min_lr": (0 <= self.min_lr <= self.lr, f"must lie in [0, lr = {self.lr}]"),
+                  "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
+                  "beta1": (0 <= self.beta1 < 1, "must lie in [0, 1)"),
+                  "beta2": (0 <= self.beta2 < 1, "must lie in [0, 1)"),
+                  "eps": (self.eps > 0, "must be > 0"),
+                  "grad_clip": (self.grad_clip >= 0, "must be >= 0 (0 turns clipping off)"),
+                  "dropout": (0 <= self.dropout < 1, "must lie in [0, 1)"),
+                  "val_fraction": (0 < self.val_fraction < 1, "must lie in (0, 1)")}
+        for name, (ok, rule) in ranges.items():
+            if not ok:
+                raise ConfigError(name, f"{rule}, got {getattr(self, name)}")
+        if self.warmup_steps > self.steps:
+            raise ConfigError("warmup_steps", f"({self.warmup_steps}) must not exceed steps "
+                              f"({self.steps}): lower --warmup-steps or raise --steps")
+        choices = {"dtype": FLOAT_DTYPES, "norm": ("layernorm", "rmsnorm"),
+                   "mlp": MLPS, "position": POSITIONS}
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ConfigError(name, f"must be one of {', '.join(allowed)}, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError("n_heads", f"({self.n_heads}) must divide d_model "
+                              f"({self.d_model}): each head takes d_model / n_heads columns")
+        if self.position == "rotary" and (self.d_model // self.n_heads) % 2:
+            raise ConfigError("n_heads", "must leave an even head width d_model / n_heads "
+                              "for rotary positions")
+        for name in ("standardize", "progress"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (bool, np.bool_)):
+                raise ConfigError(name, f"must be True or False, got {value!r}")
+        if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
+            raise ConfigError("out_dir", f"must be a path, got {self.out_dir!r}")
         return self
 
 
@@ -136,28 +255,58 @@ def _step_seed(seed: int, step: int, stream: int) -> int:
 class Trainer:
     """A model, its optimizer, its data and the step count, with save / load.
 
-    history: {'step', 'loss', 'lr', 'tokens_per_s'} per step and {'eval_step', 'val_loss',
-    'val_accuracy'} per evaluation (accuracy: digit tasks' held-out exact match).
+    history: {'step', 'loss', 'lr', 'grad_norm', 'tokens_per_s'} per step and
+    {'eval_step', 'val_loss', 'val_accuracy'} per evaluation (accuracy: digit tasks'
+    held-out exact match). With an out_dir, every step and evaluation is also appended to
+    out_dir/log.jsonl, one JSON object per line.
+
+    The constructor checks everything a run needs before the first step: the settings, the
+    data (the text, a validation part longer than the context), the model, and an output
+    folder that exists and takes a file. So a run that starts can save.
     """
+
+    HISTORY_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s",
+                    "eval_step", "val_loss", "val_accuracy")
 
     def __init__(self, config: TrainConfig):
         self.config = cfg = config.validate()
-        if cfg.task == "shakespeare":
-            text = data.load_corpus("shakespeare")
+        self.text_sha256 = None
+        family = task_family(cfg.task)
+        if family == "text":
+            if cfg.task == "text":
+                try:
+                    text = data.read_text_file(cfg.text)
+                except ValueError as err:
+                    raise ConfigError("text", str(err)) from None
+                self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+            else:
+                text = data.load_corpus("shakespeare")
             self.tokenizer = data.CharTokenizer.from_text(text)
             train_ids, self.val_ids = data.train_val_split(self.tokenizer.encode(text),
                                                            cfg.val_fraction)
+            shortest = min(len(train_ids), len(self.val_ids))
+            if shortest < cfg.seq_len + 2:
+                part = "training" if len(train_ids) < len(self.val_ids) else "validation"
+                raise ConfigError("seq_len", f"({cfg.seq_len}) is too long for this text: its "
+                                  f"{part} part holds {shortest} characters, and a window "
+                                  f"needs seq_len + 2 = {cfg.seq_len + 2}; lower --seq-len, "
+                                  "change --val-fraction, or give a longer text")
             self.batches = data.TextBatches(train_ids, cfg.batch_size, cfg.seq_len, cfg.seed)
+            self.val_batches = data.TextBatches(self.val_ids, cfg.batch_size, cfg.seq_len,
+                                                seed=_step_seed(cfg.seed, 0, 2))
             vocab, max_len = self.tokenizer.vocab_size, cfg.seq_len
-        elif cfg.task == "autoencoder":
+        elif family == "autoencoder":
             self.tokenizer = None
             self.batches = data.GaussianSequences(cfg.batch_size, cfg.seq_len, cfg.d_model,
                                                   cfg.standardize, cfg.seed, cfg.dtype)
+            self.val_batches = None
         else:
             self.tokenizer = None
             self.batches = data.DigitTask(cfg.n_digits, cfg.task, cfg.batch_size, cfg.seed)
+            self.val_batches = None
             vocab, max_len = data.DigitTask.vocab_size, self.batches.seq_len
-        if cfg.task == "autoencoder":
+        self._val_state = None if self.val_batches is None else self.val_batches.state
+        if family == "autoencoder":
             from .models.autoencoder import Autoencoder, AutoencoderConfig
 
             self.model_config = AutoencoderConfig(
@@ -179,8 +328,10 @@ class Trainer:
                           if cfg.weight_decay else
                           optim.Adam(self.params, lr=cfg.lr, betas=betas, eps=cfg.eps))
         self.step = 0
-        self.history: dict[str, list] = {k: [] for k in (
-            "step", "loss", "lr", "tokens_per_s", "eval_step", "val_loss", "val_accuracy")}
+        self.history: dict[str, list] = {k: [] for k in self.HISTORY_KEYS}
+        self.last_saved: Path | None = None   # the checkpoint this trainer last wrote
+        if cfg.out_dir is not None:
+            prepare_out_dir(cfg.out_dir)
 
     # -- training ----------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -188,7 +339,9 @@ class Trainer:
         return optim.warmup_cosine(step, c.lr, c.warmup_steps, c.steps, c.min_lr)
 
     def train_step(self) -> float:
-        """One update; returns the batch's loss (before the update)."""
+        """One update; returns the batch's loss (before the update). In order: the batch,
+        zeroed gradients, forward, backward, the global norm (clipped if grad_clip), the
+        scheduled learning rate, the optimizer step (which refuses a nan or inf gradient)."""
         cfg = self.config
         x, y = self.batches.next()                                        # [B, S] each
         self.params.zero_grad()
@@ -196,7 +349,9 @@ class Trainer:
         _, loss = self.model.forward(x, y, training=True, rng=rng)
         self.model.backward()
         if cfg.grad_clip:
-            optim.clip_grad_norm(self.params.grad, cfg.grad_clip)
+            self.last_grad_norm = optim.clip_grad_norm(self.params.grad, cfg.grad_clip)
+        else:
+            self.last_grad_norm = optim.grad_norm(self.params.grad)
         self.optimizer.lr = self.lr_at(self.step)
         self.optimizer.step()
         self.step += 1
@@ -206,10 +361,9 @@ class Trainer:
         """Mean loss over eval_batches fixed validation batches (digit tasks: 500 held-out
         sequences, with their exact-match accuracy)."""
         cfg = self.config
-        if cfg.task == "shakespeare":
-            batches = data.TextBatches(self.val_ids, cfg.batch_size, cfg.seq_len,
-                                       seed=_step_seed(cfg.seed, 0, 2))
-            losses = [float(self.model.forward(*batches.next())[1])
+        if self.val_batches is not None:
+            self.val_batches.state = self._val_state        # the same batches every time
+            losses = [float(self.model.forward(*self.val_batches.next())[1])
                       for _ in range(cfg.eval_batches)]
             self.model._cache = None
             return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
@@ -230,12 +384,33 @@ class Trainer:
         self.history["val_accuracy"].append(result["val_accuracy"])
         return result
 
+    @property
+    def log_path(self) -> Path | None:
+        """out_dir/log.jsonl, or None without an out_dir."""
+        return None if self.config.out_dir is None else Path(self.config.out_dir) / LOG_NAME
+
+    def _open_log(self):
+        """The run log, opened for appending; lines of steps past this trainer's step (a
+        run that went on after its last checkpoint, then resumed) are dropped first."""
+        path = self.log_path
+        if path is None:
+            return None
+        if path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if _log_step(line) is not None and _log_step(line) <= self.step]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        return open(path, "a", encoding="utf-8")
+
     def run(self, until: int | None = None) -> "Trainer":
         """Train until step `until` (default config.steps), evaluating and checkpointing
-        on the configured intervals; shows a tqdm bar with the loss and tokens/s."""
+        on the configured intervals; shows a tqdm bar with the loss and tokens/s and prints
+        each evaluation above it (with progress), and appends every step to log.jsonl
+        (with an out_dir)."""
         cfg = self.config
         until = cfg.steps if until is None else min(until, cfg.steps)
-        tokens = cfg.batch_size * (2 * cfg.n_digits if cfg.task in ("reverse", "sort")
+        if self.step >= until:
+            return self
+        tokens = cfg.batch_size * (2 * cfg.n_digits if task_family(cfg.task) == "digits"
                                    else cfg.seq_len)
         bar = None
         if cfg.progress:
@@ -243,27 +418,42 @@ class Trainer:
 
             bar = tqdm(total=until, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, file=sys.stderr)
-        while self.step < until:
-            start = time.perf_counter()
-            loss = self.train_step()
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
-            for key, value in (("step", self.step), ("loss", loss),
-                               ("lr", self.optimizer.lr), ("tokens_per_s", rate)):
-                self.history[key].append(value)
-            post = {"loss": f"{loss:.4f}", "tok/s": f"{rate:,.0f}"}
-            if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
-                result = self._record_eval()
-                post["val"] = f"{result['val_loss']:.4f}"
-                if result["val_accuracy"] is not None:
-                    post["acc"] = f"{result['val_accuracy']:.3f}"
-            if cfg.out_dir and (self.step == cfg.steps or (
-                    cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0)):
-                self.save(Path(cfg.out_dir) / "checkpoint.npz")
+        log = self._open_log()
+        try:
+            while self.step < until:
+                start = time.perf_counter()
+                loss = self.train_step()
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                record = {"step": self.step, "loss": loss, "lr": self.optimizer.lr,
+                          "grad_norm": self.last_grad_norm, "tokens_per_s": rate}
+                for key, value in record.items():
+                    self.history[key].append(value)
+                if log is not None:
+                    log.write(json.dumps(record) + "\n")
+                post = {"loss": f"{loss:.4f}", "tok/s": f"{rate:,.0f}"}
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
+                    result = self._record_eval()
+                    if log is not None:
+                        log.write(json.dumps({"step": self.step, **result}) + "\n")
+                    line = (f"step {self.step}: train loss {loss:.4f}, "
+                            f"val loss {result['val_loss']:.4f}")
+                    if result["val_accuracy"] is not None:
+                        line += f", held-out exact match {result['val_accuracy']:.3f}"
+                    if bar is not None:
+                        bar.write(line, file=sys.stderr)
+                if log is not None:
+                    log.flush()
+                if cfg.out_dir and (self.step == cfg.steps or (
+                        cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0)):
+                    self.save(Path(cfg.out_dir) / CHECKPOINT_NAME)
+                if bar is not None:
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+        finally:
             if bar is not None:
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar.close()
+            if log is not None:
+                log.close()
         return self
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -278,28 +468,44 @@ class Trainer:
             "optimizer": {k: v for k, v in opt.items() if k not in ("m", "v")},
             "sampler_state": self.batches.state,
             "tokenizer": None if self.tokenizer is None else self.tokenizer.chars,
+            "text_sha256": self.text_sha256,
             "history": self.history,
         }
 
     def save(self, path) -> Path:
-        """Write the checkpoint atomically (temporary file, fsync, os.replace); returns path."""
+        """Write the checkpoint atomically (temporary file, fsync, os.replace); returns path.
+
+        Refuses (FloatingPointError, nothing written) parameters or moments holding nan or
+        inf: a checkpoint that load() would refuse must not replace a good one.
+        """
         path = Path(path)
         arrays = {
             "params": backend.to_numpy(self.params.data),
             "optimizer.m": backend.to_numpy(self.optimizer.m),
             "optimizer.v": backend.to_numpy(self.optimizer.v),
-            "meta": np.frombuffer(json.dumps(self._meta()).encode(), dtype=np.uint8),
         }
+        for key, values in arrays.items():
+            if not np.all(np.isfinite(values)):
+                raise FloatingPointError(
+                    f"refusing to save step {self.step} to {path}: {key} holds nan or inf "
+                    "(the file there, if any, is left as it was)")
+        arrays["meta"] = np.frombuffer(json.dumps(self._meta()).encode(), dtype=np.uint8)
         atomic_write(path, arrays)
+        self.last_saved = path
         return path
 
     def load(self, path) -> "Trainer":
         """Restore a checkpoint into this trainer. Raises CheckpointError for a file that is
-        not one, ConfigMismatch (naming the field) for another run's; in both cases this
-        trainer is left exactly as it was."""
+        not one (or holds a malformed or inconsistent state), ConfigMismatch (naming the
+        field) for another run's; in every case this trainer is left exactly as it was:
+        everything is checked (the optimizer state by the optimizer's own checks) before
+        anything is copied in."""
         meta, arrays = read_checkpoint(path)
         check_config(meta, self.config, path)
-        layout = [(n, tuple(s)) for n, s in meta["layout"]]
+        try:
+            layout = [(n, tuple(s)) for n, s in meta["layout"]]
+        except (TypeError, ValueError, KeyError) as err:
+            raise CheckpointError(f"{path}: malformed layout ({err})") from None
         if layout != self.params.layout():
             raise ConfigMismatch(f"{path}: the parameter layout differs from this model's")
         n = self.params.size
@@ -308,14 +514,42 @@ class Trainer:
                 raise CheckpointError(f"{path}: {key} has shape {arrays[key].shape} and dtype "
                                       f"{arrays[key].dtype}, expected ({n},) "
                                       f"{self.config.dtype}")
+        if not np.all(np.isfinite(arrays["params"])):
+            raise CheckpointError(f"{path}: the parameters hold nan or inf")
+        step = meta.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or not (
+                0 <= step <= self.config.steps):
+            raise CheckpointError(f"{path}: step must be an integer in [0, steps = "
+                                  f"{self.config.steps}], got {step!r}")
+        if not isinstance(meta.get("optimizer"), dict):
+            raise CheckpointError(f"{path}: malformed optimizer state")
         opt_state = dict(meta["optimizer"], m=arrays["optimizer.m"], v=arrays["optimizer.v"])
-        opt_state["betas"] = tuple(opt_state["betas"])
+        if isinstance(opt_state.get("betas"), list):
+            opt_state["betas"] = tuple(opt_state["betas"])
+        try:
+            self.optimizer.check_state_dict(opt_state)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: {err}") from None
+        if opt_state["t"] + opt_state.get("skipped", 0) != step:
+            raise CheckpointError(f"{path}: the optimizer has made {opt_state['t']} updates "
+                                  f"but the checkpoint is at step {step}")
+        try:
+            self.batches.check_state(meta.get("sampler_state"))
+        except (TypeError, ValueError, KeyError) as err:
+            raise CheckpointError(f"{path}: malformed sampler state ({err})") from None
+        history = _checked_history(meta.get("history"), step, path)
+        chars = None if self.tokenizer is None else self.tokenizer.chars
+        if meta.get("tokenizer") != chars:
+            raise ConfigMismatch(f"{path}: its tokenizer differs from this run's data")
+        if meta.get("text_sha256") != self.text_sha256:
+            raise ConfigMismatch(f"{path}: the text file {self.config.text} has changed since "
+                                 "this checkpoint was written")
         # Everything is checked: from here on nothing can fail halfway.
         self.params.load_flat(arrays["params"])
         self.optimizer.load_state_dict(opt_state)
         self.batches.state = meta["sampler_state"]
-        self.step = int(meta["step"])
-        self.history = {k: list(v) for k, v in meta["history"].items()}
+        self.step = step
+        self.history = history
         return self
 
     @classmethod
@@ -326,8 +560,59 @@ class Trainer:
         if bad:
             raise ConfigMismatch(f"only {', '.join(FREE_FIELDS)} may change on resume, "
                                  f"not {', '.join(sorted(bad))}")
-        config = TrainConfig(**dict(meta["config"], **overrides))
+        try:
+            config = TrainConfig(**dict(meta["config"], **overrides))
+        except TypeError as err:
+            raise CheckpointError(f"{path}: malformed configuration ({err})") from None
         return cls(config).load(path)
+
+
+CHECKPOINT_NAME, LOG_NAME = "checkpoint.npz", "log.jsonl"
+
+
+def _log_step(line: str):
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _checked_history(history, step: int, path) -> dict:
+    """A copy of a checkpoint's history, checked: the known keys, lists of numbers (None for
+    a missing accuracy or an older checkpoint's grad_norm), one entry per step."""
+    if not isinstance(history, dict):
+        raise CheckpointError(f"{path}: malformed history")
+    history = {k: list(v) for k, v in history.items() if isinstance(v, list)}
+    history.setdefault("grad_norm", [None] * len(history.get("step", [])))
+    if set(history) != set(Trainer.HISTORY_KEYS):
+        raise CheckpointError(f"{path}: history must hold {', '.join(Trainer.HISTORY_KEYS)}")
+    per_step = [len(history[k]) for k in ("step", "loss", "lr", "grad_norm", "tokens_per_s")]
+    per_eval = [len(history[k]) for k in ("eval_step", "val_loss", "val_accuracy")]
+    if len(set(per_step)) != 1 or len(set(per_eval)) != 1 or per_step[0] > step:
+        raise CheckpointError(f"{path}: history has lists of different lengths or more "
+                              f"entries than steps ({step})")
+    for key, values in history.items():
+        if any(not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
+               for v in values):
+            raise CheckpointError(f"{path}: history {key} must hold numbers")
+    return history
+
+
+def prepare_out_dir(out_dir) -> Path:
+    """Create out_dir and prove that it takes a file (a temporary one, removed), before any
+    step is trained; ConfigError naming out_dir otherwise."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError("out_dir", f"{str(path)!r} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError("out_dir", f"{str(path)!r} cannot hold the checkpoint: "
+                          f"{err.strerror or err}") from None
+    return path
 
 
 def _write_npz(file, arrays: dict) -> None:
@@ -340,9 +625,15 @@ def atomic_write(path: Path, arrays: dict) -> None:
     The bytes go to a temporary file in the same folder (same file system, so the rename is
     atomic), are flushed and fsync'ed, and the file is renamed over `path`; the folder is
     fsync'ed too, so the rename itself survives a power cut. On any error the temporary file
-    is removed and `path` is untouched.
+    is removed and `path` is untouched. Temporary files left by a save that was killed
+    (.checkpoint.npz.*.tmp) are removed first.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            stale.unlink()
+        except OSError:
+            pass
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     umask = os.umask(0)
     os.umask(umask)
@@ -367,6 +658,29 @@ def atomic_write(path: Path, arrays: dict) -> None:
             os.close(dir_fd)
 
 
+def _check_entry_sizes(path: Path) -> None:
+    """Refuse an .npz whose .npy headers claim more bytes than their entries hold (a forged
+    shape of 10^12 values), reading the headers only: nothing large is allocated."""
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f"entry {info.filename}: unsupported .npy version "
+                                     f"{version}")
+                if dtype.hasobject:
+                    raise ValueError(f"entry {info.filename} holds Python objects")
+                claimed = math.prod(shape) * dtype.itemsize
+                held = info.file_size - f.tell()
+                if claimed > held:
+                    raise ValueError(f"entry {info.filename} claims shape {shape} "
+                                     f"({claimed:,} bytes) but holds {held:,} bytes")
+
+
 def read_checkpoint(path) -> tuple[dict, dict]:
     """(meta, arrays) of a checkpoint file; CheckpointError says what is wrong with a bad one."""
     path = Path(path)
@@ -375,10 +689,16 @@ def read_checkpoint(path) -> tuple[dict, dict]:
             magic = f.read(4)
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {path}") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file (give the path "
+                              f"of its {CHECKPOINT_NAME})") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror or err}") from None
     if magic != b"PK\x03\x04":
         raise CheckpointError(f"{path} is not a tfcore checkpoint: it starts with {magic!r}, "
                               "not the .npz (zip) signature b'PK\\x03\\x04'")
     try:
+        _check_entry_sizes(path)
         with np.load(path, allow_pickle=False) as z:
             if "meta" not in z.files:
                 raise CheckpointError(f"{path} is an .npz file but not a tfcore checkpoint "
@@ -387,16 +707,34 @@ def read_checkpoint(path) -> tuple[dict, dict]:
             arrays = {k: z[k] for k in z.files if k != "meta"}
     except CheckpointError:
         raise
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as err:
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, MemoryError) as err:
         raise CheckpointError(f"{path} is truncated or corrupted and cannot be read "
                               f"({type(err).__name__}: {err})") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: its meta entry is not a JSON object")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version "
                               f"{meta.get('version')!r}, expected {FORMAT!r} version {VERSION}")
     missing = {"params", "optimizer.m", "optimizer.v"} - set(arrays)
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(sorted(missing))}")
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("model_config"),
+                                                                 dict):
+        raise CheckpointError(f"{path}: malformed config or model_config")
+    meta["config"] = _upgraded_config(meta["config"])
     return meta, arrays
+
+
+def _upgraded_config(config: dict) -> dict:
+    """A checkpoint config with the settings its task does not read set to None (older
+    checkpoints recorded their defaults there)."""
+    config = dict(config)
+    family = task_family(config.get("task")) if isinstance(config.get("task"), str) else None
+    for name in OPTIONAL_SETTINGS:
+        if family in TASK_SETTINGS and name not in TASK_SETTINGS[family]:
+            config[name] = None
+    config.setdefault("text", None)
+    return config
 
 
 def check_config(meta: dict, config: TrainConfig, path="checkpoint") -> None:
@@ -422,11 +760,30 @@ def train(config: TrainConfig, resume=None) -> Trainer:
 
 # -- command line ------------------------------------------------------------------------
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, 'error: ...', with exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a TrainConfig field: seq_len -> --seq-len."""
+    return "--" + field.replace("_", "-")
+
+
+CHOICES = {"task": TASKS, "dtype": FLOAT_DTYPES, "norm": ("layernorm", "rmsnorm"),
+           "mlp": ("gelu", "relu", "swiglu"), "position": ("learned", "sinusoidal", "rotary")}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m tfcore.train",
-        description="Train a decoder language model on the Shakespeare corpus or a digit "
-                    "task, with checkpoints that resume bit for bit.")
+        description="Train a decoder language model on the Shakespeare corpus, your own "
+                    "text (--text FILE) or a digit task, with checkpoints that resume bit "
+                    "for bit. Every run writes checkpoint.npz and log.jsonl into its "
+                    "output folder (default runs/<preset or task>-<time>); "
+                    "python -m tfcore.plot draws the log.")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="start from a named configuration (other flags override it)")
     parser.add_argument("--resume", metavar="CHECKPOINT",
@@ -434,23 +791,47 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=backend.BACKENDS,
                         help="array library (default: TFCORE_BACKEND or numpy)")
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        if f.type in (bool, "bool", "bool | None"):
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
+                                default=None)
+        elif f.name in CHOICES:
+            parser.add_argument(flag(f.name), choices=CHOICES[f.name], default=None)
         else:
             kind = {"int": int, "float": float, "str": str, "int | None": int,
                     "str | None": str}[str(f.type)]
-            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(),
-                                help=f"(default {f.default!r})")
+            metavar = "FILE" if f.name == "text" else f.name.upper()
+            default = (f"{OPTIONAL_SETTINGS[f.name]!r} for the tasks that read it"
+                       if f.name in OPTIONAL_SETTINGS else
+                       "runs/<preset or task>-<time>" if f.name == "out_dir" else
+                       "a UTF-8 file: sets --task text" if f.name == "text" else
+                       repr(f.default))
+            parser.add_argument(flag(f.name), type=kind, default=None, metavar=metavar,
+                                help=f"(default {default})")
     return parser
 
 
 def main(argv=None) -> int:
+    """The command line; every bad argument ends in one line 'error: ...' and status 2."""
     try:
         return _main(argv)
-    except (CheckpointError, ConfigMismatch) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except ConfigError as err:
+        print(f"error: argument {flag(err.field)} {err.detail}", file=sys.stderr)
         return 2
+    except (CheckpointError, ConfigMismatch) as err:
+        print(f"error: argument --resume: {err}", file=sys.stderr)
+        return 2
+    except FloatingPointError as err:
+        print(f"error: training stopped: {err}", file=sys.stderr)
+        return 1
+
+
+def _default_out_dir(name: str) -> str:
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
 
 
 def _main(argv) -> int:
@@ -460,24 +841,50 @@ def _main(argv) -> int:
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
              if getattr(args, f.name) is not None}
     if args.resume:
-        trainer = Trainer.from_checkpoint(
-            args.resume, **{k: v for k, v in given.items() if k in FREE_FIELDS})
-        check_config(read_checkpoint(args.resume)[0],
-                     dataclasses.replace(trainer.config, **given), args.resume)
+        if args.preset:
+            raise ConfigError("preset", "cannot be combined with --resume (a resumed run "
+                              "keeps its checkpoint's configuration)")
+        meta, _ = read_checkpoint(args.resume)
+        free = {k: v for k, v in given.items() if k in FREE_FIELDS}
+        if "out_dir" not in free and not meta["config"].get("out_dir"):
+            free["out_dir"] = str(Path(args.resume).parent)
+        trainer = Trainer.from_checkpoint(args.resume, **free)
+        check_config(meta, dataclasses.replace(trainer.config, **given), args.resume)
     else:
         values = dict(PRESETS.get(args.preset, {}), **given)
+        if "text" in given:
+            if "task" in given and given["task"] != "text":
+                raise ConfigError("task", f"{given['task']!r} does not read --text (leave "
+                                  "--task out, or give --task text)")
+            values["task"] = "text"
+        if "warmup_steps" not in given:
+            warmup = values.get("warmup_steps", TrainConfig.warmup_steps)
+            steps = values.get("steps", TrainConfig.steps)
+            if isinstance(steps, int) and steps >= 1 and warmup > steps:
+                values["warmup_steps"] = steps // 10
+                print(f"note: the warm-up of {warmup} steps does not fit in --steps {steps}; "
+                      f"using {steps // 10} (choose with --warmup-steps)", file=sys.stderr)
+        if "out_dir" not in given:
+            values["out_dir"] = _default_out_dir(args.preset or values.get("task", "run"))
         trainer = Trainer(TrainConfig(**values))
     cfg = trainer.config
     print(f"model: {trainer.model.num_parameters():,} parameters, task {cfg.task}, "
-          f"{cfg.steps} steps, backend {backend.get_backend()}", file=sys.stderr)
+          f"{cfg.steps} steps, backend {backend.get_backend()}, output {cfg.out_dir}",
+          file=sys.stderr)
+    if trainer.step >= cfg.steps:
+        print(f"nothing to train: {args.resume} is at step {trainer.step} of {cfg.steps}; "
+              "nothing was written", file=sys.stderr)
+        return 0
     trainer.run()
     if trainer.history["eval_step"]:
         acc = trainer.history["val_accuracy"][-1]
         print(f"step {trainer.step}: train loss {trainer.history['loss'][-1]:.4g}, "
               f"val loss {trainer.history['val_loss'][-1]:.4g}"
               + ("" if acc is None else f", held-out exact match {acc:.3f}"))
-    if cfg.out_dir:
-        print(f"checkpoint: {Path(cfg.out_dir) / 'checkpoint.npz'}")
+    if trainer.last_saved is not None:
+        print(f"checkpoint: {trainer.last_saved}")
+    if trainer.log_path is not None:
+        print(f"log: {trainer.log_path}")
     return 0
 
 

@@ -81,10 +81,34 @@ def applies(*arrays, contiguous: bool = True) -> bool:
 def _k():
     global _nb
     if _nb is None:
+        _writable_numba_cache()
         from . import _numba
 
         _nb = _numba
     return _nb
+
+
+def _writable_numba_cache() -> None:
+    """Point Numba's disk cache at a temporary folder when neither the package folder nor
+    the home folder takes it (a read-only install, an unwritable home), with a warning that
+    says how to choose; without this, compiling fails with "no locator available"."""
+    import tempfile
+    import warnings
+
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    home_cache = os.path.join(os.path.expanduser("~"), ".cache")
+    for folder in (os.path.dirname(__file__), home_cache):
+        probe = folder
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if os.access(probe, os.W_OK):
+            return
+    os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="tfcore-numba-")
+    warnings.warn(f"Numba cannot cache compiled kernels next to tfcore or in {home_cache}; "
+                  f"using {os.environ['NUMBA_CACHE_DIR']} for this process (set "
+                  "NUMBA_CACHE_DIR to keep a cache, or TFCORE_KERNELS=0 for the reference "
+                  "path)", RuntimeWarning, stacklevel=3)
 
 
 def _rows(x, width):

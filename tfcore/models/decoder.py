@@ -400,9 +400,16 @@ def sample_next(logits: np.ndarray, temperature: float, top_k: int | None, top_p
     top_p (the most likely token always stays), renormalised, sampled by inversion of one
     uniform draw per row.
     """
+    if not np.all(np.isfinite(np.max(logits, axis=-1))):     # nan, +inf, or a row all -inf
+        raise FloatingPointError("sample_next: the logits hold nan or inf (a non-finite "
+                                 "parameter?); nothing can be sampled from them")
     if temperature == 0:
         return np.argmax(logits, axis=-1).astype(np.int64)
-    z = logits / temperature
+    with np.errstate(over="ignore"):
+        z = logits / temperature
+    if not np.all(np.isfinite(np.max(z, axis=-1))):
+        raise FloatingPointError(f"sample_next: logits / temperature overflow at temperature "
+                                 f"{temperature}; use a larger temperature, or 0 for greedy")
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.sort(z, axis=-1)[:, -top_k][:, None]                    # [B, 1]
         z = np.where(z < kth, -np.inf, z)
