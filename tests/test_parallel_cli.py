@@ -22,6 +22,7 @@ RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
     (["--seq", "17"], "--seq 17 exceeds the context of --config tiny (16 positions)"),
     (["--seed", "-1"], "--seed must be a non-negative integer, got -1"),
     (["--check-tol", "nan"], "--check-tol must be a number >= 0, got nan"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
     (["--dp", "3", "--batch", "4"], "--batch 4 must be divisible by the data-parallel degree "
                                     "dp=3"),
     (["--algorithm", "native"], "--algorithm native is MPI's own; simulate ring or naive"),

@@ -111,7 +111,7 @@ from tfcore.parallel import MPIComm
 from tfcore.parallel.comm import abort_on_error
 
 with abort_on_error():
-    world = MPIComm()
+    world = MPIComm(timeout=3)
     world.all_reduce(np.ones(5))              # every rank is running
     {body}
     world.barrier()
@@ -159,3 +159,14 @@ def test_ranks_that_disagree_on_the_sequence_length_fail_naming_both_shapes():
     assert done.returncode == 1
     assert "all_reduce(shape (4, 8, 16), float64, op sum)" in done.stderr
     assert "all_reduce(shape (4, 4, 16), float64, op sum)" in done.stderr
+
+
+def test_ranks_in_collectives_of_different_groups_time_out(tmp_path):
+    """Rank 0 waits in its pair's all-reduce while rank 2, its partner, waits in the world's:
+    no header can compare calls on different groups; the timeout (3 s here) ends the job."""
+    done = _planted(tmp_path, 4, "pair = world.split(world.rank % 2)\n"
+                                 "    if world.rank == 0:\n"
+                                 "        pair.all_reduce(np.ones(3))\n"
+                                 "    world.all_reduce(np.ones(3))")
+    assert done.returncode != 0
+    assert "TimeoutError" in done.stderr and "waited 3 s for" in done.stderr

@@ -13,7 +13,8 @@ A bad argument ends the run before any training with one line `error: ...` and s
 with other arguments stops them all). A failure during training under MPI prints the
 failing rank's message and aborts the whole job (status 1) instead of leaving the other
 ranks waiting; collectives called differently on different ranks fail with a message that
-names both calls (--no-call-check turns that check off).
+names both calls (--no-call-check turns that check off), and a rank that waits longer than
+--timeout seconds for a message fails the job too.
 """
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
                     help="largest relative difference --check accepts (default 1e-12)")
     ap.add_argument("--no-call-check", action="store_true",
                     help="MPI: skip the check that every rank calls the same collective")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="MPI: seconds a rank waits for a message or for the other ranks' "
+                    "next collective before it fails the job (default 600)")
     ap.add_argument("--save", default=None, help="write losses and parameters to this .npz")
     ap.add_argument("--quiet-times", action="store_true", help="do not print step times")
     return ap
@@ -79,6 +83,8 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
         raise UsageError(f"--dp must be a positive integer, got {args.dp}")
     if args.seed < 0:
         raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
+    if not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not args.check_tol >= 0:          # also refuses nan
         raise UsageError(f"--check-tol must be a number >= 0, got {args.check_tol}")
     longest = runner.CONFIGS[args.config]().max_seq_len
@@ -212,7 +218,8 @@ def main_mpi(argv) -> int:
                 where = "" if all(p == problems[first] for p in problems) else f"rank {first}: "
                 print(f"error: {where}{problems[first]}", file=sys.stderr)
             return 2
-        world = MPIComm(algorithm=args.algorithm, check_calls=not args.no_call_check)
+        world = MPIComm(algorithm=args.algorithm, check_calls=not args.no_call_check,
+                        timeout=args.timeout)
         config = runner.CONFIGS[args.config]()
         out = runner.train_parallel(world, config, args.steps, args.batch, args.seq,
                                     **_train_kwargs(args, dp))

@@ -48,6 +48,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 import zlib
 from collections import Counter
@@ -672,10 +673,14 @@ class MPIComm(Communicator):
     (default on) gathers every rank's call header before each collective and raises
     ValueError on every rank when they differ (see Agreement above); sub-groups inherit it.
     A rank that raises should end the whole job (`abort_on_error`): the others cannot know.
+    timeout (seconds, None for none) bounds every wait for a message or a call header, so
+    that ranks stuck in collectives of different groups (which no header can compare) raise
+    TimeoutError instead of waiting forever.
     """
 
     def __init__(self, mpi_comm=None, algorithm: str = "ring", name: str = "world",
-                 ranks=None, traffic: Traffic | None = None, check_calls: bool = True):
+                 ranks=None, traffic: Traffic | None = None, check_calls: bool = True,
+                 timeout: float | None = 600.0):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -684,17 +689,42 @@ class MPIComm(Communicator):
             ranks = tuple(self._comm.allgather(MPI.COMM_WORLD.Get_rank()))
         super().__init__(self._comm.Get_rank(), ranks, name, algorithm, traffic or Traffic())
         self.check_calls = bool(check_calls)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got "
+                             f"{timeout!r}")
+        self.timeout = timeout
+
+    def _complete(self, request, what):
+        """Wait for an MPI request, at most self.timeout seconds: polled (the first
+        thousand polls at full speed, then every 0.1 ms) instead of a blocking wait."""
+        if self.timeout is None:
+            request.Wait()
+            return
+        polls, deadline = 0, None
+        while not request.Test():
+            polls += 1
+            if polls < 1000:
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout
+            elif now > deadline:
+                raise TimeoutError(
+                    f"{self!r} waited {self.timeout:g} s for {what}: a rank stopped calling "
+                    "collectives, or the ranks are in collectives of different groups")
+            time.sleep(1e-4)
 
     def _isend(self, dst, x):
         buf = np.ascontiguousarray(to_numpy(x))
         return (self._comm.Isend(buf, dest=dst, tag=7), buf)
 
     def _wait(self, handle):
-        handle[0].Wait()
+        self._complete(handle[0], "a message to be delivered")
 
     def _recv(self, src, size, like):
         buf = np.empty(size, dtype=np.dtype(str(like.dtype).rsplit(".", 1)[-1]))
-        self._comm.Recv(buf, source=src, tag=7)
+        self._complete(self._comm.Irecv(buf, source=src, tag=7),
+                       f"a message from group rank {src}")
         return namespace(like).asarray(buf) if not isinstance(like, np.ndarray) else buf
 
     def _native(self, what, xp, work, op="sum", bounds=None, root=0):
@@ -719,14 +749,15 @@ class MPIComm(Communicator):
 
     def barrier(self):
         self._agree("barrier")
-        self._comm.Barrier()
+        self._complete(self._comm.Ibarrier(), "the other ranks at a barrier")
 
     def _exchange_objects(self, obj):
         return self._comm.allgather(obj)
 
     def _gather_headers(self, header):
         every = np.empty((self.size, HEADER_SIZE), dtype=np.int64)
-        self._comm.Allgather(header, every)
+        self._complete(self._comm.Iallgather(header, every),
+                       "the other ranks' next collective")
         return every
 
     def _make(self, members, name, color, key):
@@ -735,7 +766,8 @@ class MPIComm(Communicator):
         else:
             group = self._comm.Get_group().Incl([self.ranks.index(m) for m in members])
             sub = self._comm.Create_group(group)
-        return MPIComm(sub, self.algorithm, name, members, self.traffic, self.check_calls)
+        return MPIComm(sub, self.algorithm, name, members, self.traffic, self.check_calls,
+                       self.timeout)
 
 
 @contextlib.contextmanager
