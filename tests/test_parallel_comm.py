@@ -111,3 +111,52 @@ def test_subgroups_and_errors():
             lambda c: c.all_reduce(np.ones(3)) if c.rank == 0 else None)
     with pytest.raises(ValueError, match="differs across ranks"):
         SimulatedGroup(2).run(lambda c: c.check_same(f"cfg{c.rank}", "the configuration"))
+
+
+@pytest.mark.parametrize("body,first,second", [
+    (lambda c: c.all_reduce(np.ones((2, 3 + c.rank))),
+     "all_reduce(shape (2, 3), float64, op sum)", "all_reduce(shape (2, 4), float64, op sum)"),
+    (lambda c: c.all_reduce(np.ones(3), op="max" if c.rank else "sum"),
+     "all_reduce(shape (3,), float64, op sum)", "all_reduce(shape (3,), float64, op max)"),
+    (lambda c: c.all_reduce(np.ones(3, dtype="float32" if c.rank else "float64")),
+     "float64", "all_reduce(shape (3,), float32, op sum)"),
+    (lambda c: c.broadcast(np.ones(3), root=c.rank),
+     "broadcast(shape (3,), float64, root 0)", "broadcast(shape (3,), float64, root 1)"),
+    (lambda c: c.all_gather(np.ones(3)) if c.rank else c.all_reduce(np.ones(3)),
+     "all_reduce(shape (3,), float64, op sum)", "all_gather(shape (3,), float64, axis 0)"),
+    (lambda c: c.all_gather_flat(np.ones(2), [(0, 2), (2, 4)] if c.rank else [(0, 2), (2, 5)]),
+     "all_gather_flat(shape (5,)", "all_gather_flat(shape (4,)"),
+    (lambda c: c.all_gather_object(1) if c.rank else c.reduce_scatter(np.ones(4)),
+     "reduce_scatter(shape (4,), float64, axis 0)", "called all_gather_object"),
+])
+def test_disagreeing_calls_fail_on_every_rank_naming_both(body, first, second):
+    """With check_calls (on by default under MPI) the ranks compare call headers first."""
+    with pytest.raises(ValueError, match="called different collectives") as caught:
+        SimulatedGroup(2, check_calls=True, timeout=5).run(body)
+    message = str(caught.value)
+    assert "group rank 0 (world rank 0) called" in message and first in message
+    assert "group rank 1 (world rank 1) called" in message and second in message
+
+
+def test_every_rank_raises_the_same_disagreement():
+    def body(comm):
+        try:
+            comm.all_reduce(np.ones(3 + (comm.rank == 2)))
+        except ValueError as err:
+            return str(err)
+
+    messages = SimulatedGroup(3, check_calls=True, timeout=5).run(body)
+    assert len(set(messages)) == 1 and "world rank 2" in messages[0]
+
+
+def test_agreement_headers_are_not_counted_and_change_nothing():
+    from tfcore.parallel.runner import CONFIGS, train_parallel
+
+    runs = []
+    for check in (False, True):
+        group = SimulatedGroup(4, check_calls=check)
+        out = group.run(train_parallel, CONFIGS["tiny"](), 2, 4, 8, tp=2, dp=2, zero=True)
+        runs.append((out[0], [t.sent for t in group.traffic]))
+    (plain, sent_plain), (checked, sent_checked) = runs
+    np.testing.assert_array_equal(plain["params"], checked["params"])
+    assert sent_plain == sent_checked

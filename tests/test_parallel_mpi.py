@@ -1,6 +1,13 @@
 """The same code in real processes: `mpiexec -n 2` and `-n 4` give the losses and the
 parameters of the simulated run (bit for bit: the same algorithm moves the same chunks and
-adds them in the same order) and of one device (1e-12), and send the same bytes."""
+adds them in the same order) and of one device (1e-12), and send the same bytes.
+
+And no run ever hangs: a rank that raises ends the whole job with its message, ranks that
+call different collectives (another shape, another op) fail with a message naming both, and
+a bad argument on any one rank stops every rank with `error: ...` and status 2. Every
+mpiexec here runs under a time limit (TIMEOUT), so a hang fails the test instead of
+blocking the suite.
+"""
 from __future__ import annotations
 
 import os
@@ -20,12 +27,20 @@ MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shut
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install mpich)")
 
 
+TIMEOUT = 90      # seconds for one mpiexec: a healthy run takes a few (busy machine: ~20)
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+CLI = [sys.executable, "-m", "tfcore.parallel"]
+
+
+def _mpiexec(*args):
+    """mpiexec with the given arguments (an MPMD ':' list works too), bounded by TIMEOUT."""
+    return subprocess.run([MPIEXEC, *args], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=ENV)
+
+
 def _mpi_run(tmp_path, n, *args):
     out = tmp_path / f"mpi{n}.npz"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "tfcore.parallel", *args,
-           "--save", str(out), "--quiet-times"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env)
+    done = _mpiexec("-n", str(n), *CLI, *args, "--save", str(out), "--quiet-times")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parameters: sum=" in done.stdout
     return np.load(out), done.stdout
@@ -37,7 +52,8 @@ def _mpi_run(tmp_path, n, *args):
 ])
 def test_mpi_equals_simulation_and_one_device(tmp_path, n, args):
     steps, batch, seq = 3, 4, 8
-    saved, stdout = _mpi_run(tmp_path, n, *args, "--steps", str(steps))
+    saved, stdout = _mpi_run(tmp_path, n, *args, "--steps", str(steps), "--check")
+    assert "one device: max relative difference" in stdout
     opts = dict(zip(args[::2], args[1::2]))
     tp = int(opts["--tp"])
     config = CONFIGS[opts["--config"]]()
@@ -61,8 +77,96 @@ def test_mpi_native_collectives_equal_one_device(tmp_path):
     assert "not observed" in stdout
 
 
-def test_mpi_reports_a_wrong_layout(tmp_path):
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "tfcore.parallel", "--tp", "3"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+def test_mpi_reports_a_wrong_layout():
+    done = _mpiexec("-n", "2", *CLI, "--tp", "3")
+    assert done.returncode == 2
+    assert done.stderr == "error: --tp 3: the world size 2 is not a multiple of tp=3\n"
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--tp", "0"], "--tp must be a positive integer"),
+    (["--batch", "0"], "--batch must be a positive integer"),
+    (["--batch", "3"], "--batch 3 must be divisible by the data-parallel degree dp=2"),
+    (["--tp", "two"], "argument --tp: invalid int value"),
+])
+def test_mpi_bad_argument_is_one_line_and_status_2(args, named):
+    done = _mpiexec("-n", "2", *CLI, *args)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: " + named) and done.stderr.count("\n") == 1
+    assert done.stdout == ""
+
+
+def test_a_bad_argument_on_one_rank_stops_every_rank():
+    """Rank 1 alone gets --steps 0 (an MPMD launch): rank 0 must not wait for it."""
+    done = _mpiexec("-n", "1", *CLI, "--tp", "2", ":", "-n", "1", *CLI, "--tp", "2",
+                    "--steps", "0")
+    assert done.returncode == 2
+    assert done.stderr == "error: rank 1: --steps must be a positive integer, got 0\n"
+
+
+_PLANTED = """
+import sys
+import numpy as np
+from tfcore.parallel import MPIComm
+from tfcore.parallel.comm import abort_on_error
+
+with abort_on_error():
+    world = MPIComm(timeout=3)
+    world.all_reduce(np.ones(5))              # every rank is running
+    {body}
+    world.barrier()
+print("rank", world.rank, "finished")
+"""
+
+
+def _planted(tmp_path, n, body):
+    script = tmp_path / "planted.py"
+    script.write_text(_PLANTED.format(body=body))
+    return _mpiexec("-n", str(n), sys.executable, str(script))
+
+
+def test_a_raising_rank_ends_the_job_with_its_message(tmp_path):
+    """Without the abort, ranks 0, 2 and 3 would wait in the barrier forever."""
+    done = _planted(tmp_path, 4, 'if world.rank == 2:\n'
+                                 '        raise RuntimeError("planted failure")')
     assert done.returncode != 0
-    assert "world size 2 is not a multiple of tp=3" in done.stderr
+    assert "rank 2: RuntimeError: planted failure" in done.stderr
+    assert "finished" not in done.stdout
+
+
+def test_collectives_of_other_shapes_name_both(tmp_path):
+    done = _planted(tmp_path, 4, "world.all_reduce(np.ones((2, 3 + (world.rank == 3))))")
+    assert done.returncode != 0
+    assert ("group rank 0 (world rank 0) called all_reduce(shape (2, 3), float64, op sum), "
+            "group rank 3 (world rank 3) called all_reduce(shape (2, 4), float64, op sum)"
+            in done.stderr)
+
+
+def test_collectives_in_another_order_name_both(tmp_path):
+    done = _planted(tmp_path, 2, "if world.rank == 0:\n"
+                                 "        world.broadcast(np.ones(4))\n"
+                                 "    world.all_gather(np.ones(4))")
+    assert done.returncode != 0
+    assert "called broadcast(shape (4,), float64, root 0)" in done.stderr
+    assert "called all_gather(shape (4,), float64, axis 0)" in done.stderr
+
+
+def test_ranks_that_disagree_on_the_sequence_length_fail_naming_both_shapes():
+    """Arguments valid on each rank but different (an MPMD launch): the first collective of
+    the forward, the embedding's all-reduce, names the two activation shapes."""
+    done = _mpiexec("-n", "1", *CLI, "--tp", "2", "--seq", "8", ":",
+                    "-n", "1", *CLI, "--tp", "2", "--seq", "4")
+    assert done.returncode == 1
+    assert "all_reduce(shape (4, 8, 16), float64, op sum)" in done.stderr
+    assert "all_reduce(shape (4, 4, 16), float64, op sum)" in done.stderr
+
+
+def test_ranks_in_collectives_of_different_groups_time_out(tmp_path):
+    """Rank 0 waits in its pair's all-reduce while rank 2, its partner, waits in the world's:
+    no header can compare calls on different groups; the timeout (3 s here) ends the job."""
+    done = _planted(tmp_path, 4, "pair = world.split(world.rank % 2)\n"
+                                 "    if world.rank == 0:\n"
+                                 "        pair.all_reduce(np.ones(3))\n"
+                                 "    world.all_reduce(np.ones(3))")
+    assert done.returncode != 0
+    assert "TimeoutError" in done.stderr and "waited 3 s for" in done.stderr

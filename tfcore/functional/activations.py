@@ -46,13 +46,25 @@ def _normal_cdf(x):
 
 
 def _gelu_tanh_t(x):
-    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)), with the argument as sqrt(2/pi) x (1 + 0.044715 x^2)."""
-    u = x * x
-    u *= _GELU_CUBIC
-    u += 1.0
-    u *= x
-    u *= _SQRT_2_OVER_PI
-    return namespace(x).tanh(u)
+    """t = tanh(sqrt(2/pi) (x + 0.044715 x^3)), with the argument as sqrt(2/pi) x (1 + 0.044715 x^2).
+
+    For |x| beyond about 1e19 (float32) or 1e154 (float64) the argument overflows to +-inf,
+    whose tanh is exactly +-1: the overflow is harmless, so it is not reported.
+    """
+    with backend.expected_overflow():
+        u = x * x
+        u *= _GELU_CUBIC
+        u += 1.0
+        u *= x
+        u *= _SQRT_2_OVER_PI
+        return namespace(x).tanh(u)
+
+
+# Where |x| exceeds this, 1 - t^2 is exactly 0 in every float dtype (t rounds to +-1 once
+# |x| passes about 6), so the backward's term x (1 - t^2) du/dx is 0; clipping x to it inside
+# du/dx keeps du/dx finite (x^2 would overflow, and 0 * inf is nan) without changing a bit
+# of the result anywhere else.
+_GELU_CLIP = 2.0 ** 31
 
 
 def gelu_forward(x, approximate: str = "none"):
@@ -72,8 +84,8 @@ def gelu_forward(x, approximate: str = "none"):
     elif approximate == "tanh":
         y = _gelu_tanh_t(x)                 # t
         y += 1.0
-        y *= x
-        y *= 0.5                            # 0.5 x (1 + t)
+        y *= 0.5                            # exact, and (1 + t) x would overflow near max
+        y *= x                              # 0.5 (1 + t) x
     else:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
     return y, (x, approximate)
@@ -95,7 +107,8 @@ def gelu_backward(dy, cache, out=None):
         return kernels.gelu_backward(dy, x, approximate, out=out)
     xp = namespace(dy, x)
     if approximate == "none":
-        grad = x * x
+        with backend.expected_overflow():   # x^2 = inf for huge |x|: exp(-inf) = 0, as it should
+            grad = x * x
         grad *= -0.5
         grad = xp.exp(grad)
         grad *= _INV_SQRT_2PI
@@ -103,7 +116,8 @@ def gelu_backward(dy, cache, out=None):
         grad += _normal_cdf(x)              # Phi(x) + x phi(x)
     else:
         t = _gelu_tanh_t(x)
-        du = x * x
+        du = xp.clip(x, -_GELU_CLIP, _GELU_CLIP)
+        du *= du
         du *= 3.0 * _GELU_CUBIC
         du += 1.0
         du *= _SQRT_2_OVER_PI               # du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)

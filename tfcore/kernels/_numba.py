@@ -236,13 +236,18 @@ def cross_entropy_forward(z, safe, valid, probs, nll):
 
 @njit(**_JIT)
 def cross_entropy_backward(probs, safe, valid, scale, dz):
-    """dz = scale * (probs - onehot(label)) on valid rows, 0 on ignored rows."""
+    """dz = scale * (probs - onehot(label)) on valid rows, 0 on ignored rows.
+
+    The label's entry is formed in float64 and rounded once: read back from float32
+    storage, scale * p would keep its rounding error, and with V = 1 (p = 1) the exact 0
+    would come out as about 1e-9 times scale.
+    """
     n, v = probs.shape
     for r in prange(n):
         if valid[r]:
             for j in range(v):
                 dz[r, j] = scale * np.float64(probs[r, j])
-            dz[r, safe[r]] = dz[r, safe[r]] - scale
+            dz[r, safe[r]] = scale * np.float64(probs[r, safe[r]]) - scale
         else:
             for j in range(v):
                 dz[r, j] = 0.0

@@ -31,11 +31,26 @@ Counting. Every message is counted where it moves: the sender adds its bytes to 
 ``sent`` and to the link (src -> dst) (global ranks), the receiver to its ``received``; each
 collective call leaves a `CallRecord` with the bytes this rank sent and received during it.
 Counts are per rank; a total is the sum over ranks (``total_traffic``).
+
+Agreement (``check_calls``, on by default under MPI). A rank that calls a collective the
+others do not call, or with another shape, dtype or root, would leave them waiting for
+messages that never come. So before each collective every rank of the group gathers the
+others' call header, (collective, shape, dtype, detail) in HEADER_SIZE int64 values, with
+one small MPI_Allgather, and on any difference every rank raises the same ValueError, which
+names what each side called. The headers are bookkeeping, not the algorithm's traffic: they
+are not counted. The simulation checks the same way when asked (``check_calls=True``); its
+messages already carry their shapes, and a wait that never ends there times out.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import sys
 import threading
+import time
+import traceback
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,6 +60,17 @@ from ..backend import namespace, to_numpy
 
 ALGORITHMS = ("ring", "naive")
 OPS = ("sum", "max")
+
+# A call header: [collective, dtype, ndim, shape (MAX_DIMS values, -1 beyond ndim; the last
+# holds the product of any further axes), detail (op, root, axis or a hash of the bounds)]
+CALLS = ("all_reduce", "reduce_scatter", "reduce_scatter_flat", "all_gather",
+         "all_gather_flat", "broadcast", "barrier", "all_gather_object", "split")
+_DETAIL = dict(all_reduce="op", reduce_scatter="axis", reduce_scatter_flat="bounds hash",
+               all_gather="axis", all_gather_flat="bounds hash", broadcast="root")
+_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+           "uint8", "bool", "complex128", "complex64")
+MAX_DIMS = 8
+HEADER_SIZE = 4 + MAX_DIMS
 
 
 def chunk_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -123,6 +149,7 @@ class Communicator:
         self.name = name
         self.algorithm = algorithm
         self.traffic = traffic
+        self.check_calls = False              # the transports turn the agreement check on
 
     @property
     def global_rank(self) -> int:
@@ -211,6 +238,7 @@ class Communicator:
         """A new array, the elementwise sum (or max) of x over the group's ranks.  x [...]"""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        self._agree("all_reduce", x.shape, x.dtype, OPS.index(op))
         xp = namespace(x)
         work = _flat_copy(xp, x)                                         # [M]
         self._begin("all_reduce", work.shape[0], _itemsize(work))
@@ -236,9 +264,13 @@ class Communicator:
     def reduce_scatter_flat(self, x, bounds=None):
         """Chunk `rank` (bounds[rank], default chunk_bounds) of the sum over ranks of the
         1-D x [M]  ->  [stop - start]."""
+        bounds = bounds or chunk_bounds(int(np.prod(x.shape)), self.size)
+        self._agree("reduce_scatter_flat", x.shape, x.dtype, _bounds_code(bounds))
+        return self._reduce_scatter_flat(x, bounds)
+
+    def _reduce_scatter_flat(self, x, bounds):
         xp = namespace(x)
         work = _flat_copy(xp, x)
-        bounds = bounds or chunk_bounds(work.shape[0], self.size)
         _check_bounds(bounds, work.shape[0], self.size)
         a, b = bounds[self.rank]
         self._begin("reduce_scatter", work.shape[0], _itemsize(work))
@@ -263,6 +295,10 @@ class Communicator:
 
     def all_gather_flat(self, chunk, bounds):
         """Rank r holds chunk r [stop_r - start_r] -> every rank gets the whole [M]."""
+        self._agree("all_gather_flat", (bounds[-1][1],), chunk.dtype, _bounds_code(bounds))
+        return self._all_gather_flat(chunk, bounds)
+
+    def _all_gather_flat(self, chunk, bounds):
         xp = namespace(chunk)
         total = bounds[-1][1]
         _check_bounds(bounds, total, self.size)
@@ -295,16 +331,18 @@ class Communicator:
 
     def all_gather(self, x, axis: int = 0):
         """Concatenation along `axis` of every rank's x (all of the same shape)."""
+        self._agree("all_gather", x.shape, x.dtype, axis)
         xp = namespace(x)
         size = int(np.prod(x.shape))
         bounds = [(i * size, (i + 1) * size) for i in range(self.size)]
-        full = self.all_gather_flat(xp.reshape(x, (-1,)), bounds)
+        full = self._all_gather_flat(xp.reshape(x, (-1,)), bounds)
         pieces = [xp.reshape(full[a:b], tuple(x.shape)) for a, b in bounds]
         return xp.concat(pieces, axis=axis)
 
     def reduce_scatter(self, x, axis: int = 0):
         """Block `rank` along `axis` of the sum over ranks; x's size along axis must be a
         multiple of the group size.  x [..., n, ...] -> [..., n / N, ...]"""
+        self._agree("reduce_scatter", x.shape, x.dtype, axis)
         xp = namespace(x)
         axis = axis % x.ndim
         n = x.shape[axis]
@@ -318,14 +356,16 @@ class Communicator:
             index[axis] = slice(i * step, (i + 1) * step)
             parts.append(xp.reshape(x[tuple(index)], (-1,)))
         flat = xp.concat(parts, axis=0)
-        mine = self.reduce_scatter_flat(flat, [(i * parts[0].shape[0], (i + 1) * parts[0].shape[0])
-                                               for i in range(self.size)])
+        mine = self._reduce_scatter_flat(flat, [(i * parts[0].shape[0],
+                                                 (i + 1) * parts[0].shape[0])
+                                                for i in range(self.size)])
         shape = list(x.shape)
         shape[axis] = step
         return xp.reshape(mine, tuple(shape))
 
     def broadcast(self, x, root: int = 0):
         """Every rank gets root's x (others pass an array of the same shape and dtype)."""
+        self._agree("broadcast", x.shape, x.dtype, root)
         xp = namespace(x)
         work = _flat_copy(xp, x)
         self._begin("broadcast", work.shape[0], _itemsize(work))
@@ -351,6 +391,7 @@ class Communicator:
 
     def all_gather_object(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] for small Python objects (not counted)."""
+        self._agree("all_gather_object")
         return self._exchange_objects(obj)
 
     def check_same(self, value: str, what: str) -> None:
@@ -361,10 +402,27 @@ class Communicator:
             raise ValueError(f"{what} differs across ranks: rank 0 has {values[0]!r}, "
                              f"rank(s) {differing} have {[values[i] for i in differing]!r}")
 
+    def _agree(self, call: str, shape=(), dtype=None, detail: int = 0) -> None:
+        """Before a collective (see Agreement in the module docstring): raise ValueError on
+        every rank of the group when the ranks' call headers differ. A no-op unless
+        check_calls is set, and for a group of one."""
+        if not self.check_calls or self.size == 1:
+            return
+        mine = _call_header(call, tuple(shape), dtype, detail)            # int64 [HEADER_SIZE]
+        every = self._gather_headers(mine)                                 # [N, HEADER_SIZE]
+        differ = np.flatnonzero((every != every[0]).any(axis=1))
+        if differ.size:
+            r = int(differ[0])
+            raise ValueError(
+                f"the ranks of group {self.name!r} called different collectives: group rank 0 "
+                f"(world rank {self.ranks[0]}) called {_describe_call(every[0])}, group rank "
+                f"{r} (world rank {self.ranks[r]}) called {_describe_call(every[r])}")
+
     def split(self, color: int, key: int | None = None, name: str | None = None):
         """The sub-group of the ranks that pass the same color, ordered by (key, rank).
         Every rank of this group must call it."""
         key = self.rank if key is None else key
+        self._agree("split")
         entries = self._exchange_objects((color, key))
         members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
         members = tuple(self.ranks[r] for _, r in members)
@@ -384,6 +442,45 @@ class Communicator:
 
 def _itemsize(x) -> int:
     return np.dtype(str(x.dtype).rsplit(".", 1)[-1]).itemsize
+
+
+def _call_header(call, shape, dtype, detail):
+    """The fixed-size description of one collective call: int64 [HEADER_SIZE]."""
+    header = np.full(HEADER_SIZE, -1, dtype=np.int64)
+    header[0] = CALLS.index(call)
+    if dtype is not None:
+        name = str(dtype).rsplit(".", 1)[-1]
+        header[1] = _DTYPES.index(name) if name in _DTYPES else 100 + zlib.crc32(name.encode())
+    header[2] = len(shape)
+    dims = [int(d) for d in shape]
+    if len(dims) > MAX_DIMS:
+        dims = dims[:MAX_DIMS - 1] + [int(np.prod(dims[MAX_DIMS - 1:]))]
+    header[3:3 + len(dims)] = dims
+    header[-1] = int(detail)
+    return header
+
+
+def _describe_call(header) -> str:
+    """'all_reduce(shape (4, 3), float64, op sum)' from a call header."""
+    call = CALLS[int(header[0])]
+    if header[1] < 0:
+        return call
+    code = int(header[1])
+    dtype = _DTYPES[code] if code < len(_DTYPES) else f"dtype #{code}"
+    ndim = int(header[2])
+    shape = tuple(int(d) for d in header[3:3 + min(ndim, MAX_DIMS)])
+    if ndim > MAX_DIMS:
+        shape = shape[:-1] + (f"{shape[-1]} (axes {MAX_DIMS - 1}.. joined)",)
+    detail = int(header[-1])
+    label = _DETAIL.get(call)
+    if call == "all_reduce":
+        detail = OPS[detail]
+    return f"{call}(shape {shape}, {dtype}, {label} {detail})"
+
+
+def _bounds_code(bounds) -> int:
+    """A hash of a chunk layout, so that ranks cutting a buffer differently disagree."""
+    return zlib.crc32(repr([(int(a), int(b)) for a, b in bounds]).encode())
 
 
 def _flat_copy(xp, x):
@@ -434,10 +531,12 @@ class _World:
 class SimulatedComm(Communicator):
     """One rank's view of a simulated group (made by SimulatedGroup.run)."""
 
-    def __init__(self, world: _World, rank, ranks, name, algorithm, traffic, key=None):
+    def __init__(self, world: _World, rank, ranks, name, algorithm, traffic, key=None,
+                 check_calls: bool = False):
         super().__init__(rank, ranks, name, algorithm, traffic)
         if algorithm == "native":
             raise ValueError("the simulated group runs 'ring' or 'naive' (native is MPI's own)")
+        self.check_calls = bool(check_calls)
         self._world = world
         self._state = world.group(key or (self.ranks, name), self.ranks)
 
@@ -488,11 +587,14 @@ class SimulatedComm(Communicator):
         self.barrier()
         return out
 
+    def _gather_headers(self, header):
+        return np.stack(self._exchange_objects(header))
+
     def _make(self, members, name, color, key):
         if self.global_rank not in members:
             raise RuntimeError("internal: a rank must be a member of its own new group")
         return SimulatedComm(self._world, members.index(self.global_rank), members, name,
-                             self.algorithm, self.traffic)
+                             self.algorithm, self.traffic, check_calls=self.check_calls)
 
 
 class SimulatedGroup:
@@ -503,7 +605,8 @@ class SimulatedGroup:
         group.traffic[r]                  # Traffic of rank r (sent, received, links, calls)
     """
 
-    def __init__(self, size: int, algorithm: str = "ring", timeout: float = 60.0):
+    def __init__(self, size: int, algorithm: str = "ring", timeout: float = 60.0,
+                 check_calls: bool = False):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive integer, got {size!r}")
         if algorithm not in ALGORITHMS:
@@ -511,11 +614,13 @@ class SimulatedGroup:
         self.size = size
         self.algorithm = algorithm
         self.timeout = timeout
+        self.check_calls = bool(check_calls)
         self.traffic = [Traffic() for _ in range(size)]
 
     def comms(self, world: _World) -> list[SimulatedComm]:
         ranks = tuple(range(self.size))
-        return [SimulatedComm(world, r, ranks, "world", self.algorithm, self.traffic[r])
+        return [SimulatedComm(world, r, ranks, "world", self.algorithm, self.traffic[r],
+                              check_calls=self.check_calls)
                 for r in range(self.size)]
 
     def run(self, fn, *args, **kwargs) -> list:
@@ -564,11 +669,18 @@ class MPIComm(Communicator):
 
     With algorithm 'ring' or 'naive' the collectives above run over Isend/Recv and are
     counted exactly as in the simulation (the same code decides what moves); with 'native'
-    they call MPI_Allreduce and friends, and only the payload is recorded.
+    they call MPI_Allreduce and friends, and only the payload is recorded. check_calls
+    (default on) gathers every rank's call header before each collective and raises
+    ValueError on every rank when they differ (see Agreement above); sub-groups inherit it.
+    A rank that raises should end the whole job (`abort_on_error`): the others cannot know.
+    timeout (seconds, None for none) bounds every wait for a message or a call header, so
+    that ranks stuck in collectives of different groups (which no header can compare) raise
+    TimeoutError instead of waiting forever.
     """
 
     def __init__(self, mpi_comm=None, algorithm: str = "ring", name: str = "world",
-                 ranks=None, traffic: Traffic | None = None):
+                 ranks=None, traffic: Traffic | None = None, check_calls: bool = True,
+                 timeout: float | None = 600.0):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -576,17 +688,43 @@ class MPIComm(Communicator):
         if ranks is None:
             ranks = tuple(self._comm.allgather(MPI.COMM_WORLD.Get_rank()))
         super().__init__(self._comm.Get_rank(), ranks, name, algorithm, traffic or Traffic())
+        self.check_calls = bool(check_calls)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got "
+                             f"{timeout!r}")
+        self.timeout = timeout
+
+    def _complete(self, request, what):
+        """Wait for an MPI request, at most self.timeout seconds: polled (the first
+        thousand polls at full speed, then every 0.1 ms) instead of a blocking wait."""
+        if self.timeout is None:
+            request.Wait()
+            return
+        polls, deadline = 0, None
+        while not request.Test():
+            polls += 1
+            if polls < 1000:
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout
+            elif now > deadline:
+                raise TimeoutError(
+                    f"{self!r} waited {self.timeout:g} s for {what}: a rank stopped calling "
+                    "collectives, or the ranks are in collectives of different groups")
+            time.sleep(1e-4)
 
     def _isend(self, dst, x):
         buf = np.ascontiguousarray(to_numpy(x))
         return (self._comm.Isend(buf, dest=dst, tag=7), buf)
 
     def _wait(self, handle):
-        handle[0].Wait()
+        self._complete(handle[0], "a message to be delivered")
 
     def _recv(self, src, size, like):
         buf = np.empty(size, dtype=np.dtype(str(like.dtype).rsplit(".", 1)[-1]))
-        self._comm.Recv(buf, source=src, tag=7)
+        self._complete(self._comm.Irecv(buf, source=src, tag=7),
+                       f"a message from group rank {src}")
         return namespace(like).asarray(buf) if not isinstance(like, np.ndarray) else buf
 
     def _native(self, what, xp, work, op="sum", bounds=None, root=0):
@@ -610,10 +748,17 @@ class MPIComm(Communicator):
         return out if isinstance(work, np.ndarray) else xp.asarray(out)
 
     def barrier(self):
-        self._comm.Barrier()
+        self._agree("barrier")
+        self._complete(self._comm.Ibarrier(), "the other ranks at a barrier")
 
     def _exchange_objects(self, obj):
         return self._comm.allgather(obj)
+
+    def _gather_headers(self, header):
+        every = np.empty((self.size, HEADER_SIZE), dtype=np.int64)
+        self._complete(self._comm.Iallgather(header, every),
+                       "the other ranks' next collective")
+        return every
 
     def _make(self, members, name, color, key):
         if color is not None:
@@ -621,4 +766,30 @@ class MPIComm(Communicator):
         else:
             group = self._comm.Get_group().Incl([self.ranks.index(m) for m in members])
             sub = self._comm.Create_group(group)
-        return MPIComm(sub, self.algorithm, name, members, self.traffic)
+        return MPIComm(sub, self.algorithm, name, members, self.traffic, self.check_calls,
+                       self.timeout)
+
+
+@contextlib.contextmanager
+def abort_on_error(stream=None):
+    """Run an MPI rank's code so that an exception on any rank ends the whole job.
+
+        with abort_on_error():
+            train_parallel(MPIComm(), ...)
+
+    Without it, a rank that raises leaves the others waiting forever for its messages (and
+    its own exit waits in MPI_Finalize). Here the failing rank prints its traceback, then
+    one line ``rank R: <type>: <message>`` to stderr, and calls MPI_Abort on COMM_WORLD,
+    which ends every process of the job at once; mpiexec exits with status 1.
+    """
+    try:
+        yield
+    except BaseException as err:          # noqa: BLE001 - any failure must end the job
+        from mpi4py import MPI
+
+        stream = stream or sys.stderr
+        rank = MPI.COMM_WORLD.Get_rank()
+        traceback.print_exception(type(err), err, err.__traceback__, file=stream)
+        print(f"rank {rank}: {type(err).__name__}: {err}", file=stream, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+        os._exit(1)                       # MPI_Abort may return before the job is torn down
