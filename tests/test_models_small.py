@@ -264,6 +264,9 @@ def test_autoencoder_with_dropout_gradients(rng):
 def test_autoencoder_errors():
     with pytest.raises(ValueError, match=r"d_model \(8\) must be divisible by n_heads \(3\)"):
         Autoencoder(AutoencoderConfig(8, 3, 12, 1, 6))
+    for flag in (True, "yes", 0):  # a bool is an int to Python, but never a width
+        with pytest.raises(ValueError, match="d_input must be a positive integer or None"):
+            AutoencoderConfig(8, 2, 12, 1, 6, d_input=flag)
     model = Autoencoder(AutoencoderConfig(8, 2, 12, 1, 6))
     with pytest.raises(ValueError, match="exceeds max_seq_len=6"):
         model.forward(asarray(np.zeros((1, 7, 8))))

@@ -41,7 +41,7 @@ class AutoencoderConfig:
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_input is not None and (not isinstance(self.d_input, (int, np.integer))
-                                         or self.d_input < 1):
+                                         or isinstance(self.d_input, bool) or self.d_input < 1):
             raise ValueError(f"d_input must be a positive integer or None, got {self.d_input!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
