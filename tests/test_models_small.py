@@ -266,7 +266,7 @@ def test_autoencoder_errors():
         Autoencoder(AutoencoderConfig(8, 3, 12, 1, 6))
     for flag in (True, "yes", 0):  # a bool is an int to Python, but never a width
         with pytest.raises(ValueError, match="d_input must be a positive integer or None"):
-            AutoencoderConfig(8, 2, 12, 1, 6, d_input=flag)
+            Autoencoder(AutoencoderConfig(8, 2, 12, 1, 6, d_input=flag))
     model = Autoencoder(AutoencoderConfig(8, 2, 12, 1, 6))
     with pytest.raises(ValueError, match="exceeds max_seq_len=6"):
         model.forward(asarray(np.zeros((1, 7, 8))))
