@@ -29,7 +29,8 @@ Columns: time is the median of the clean windows (ms per step); ratio = tfcore /
 the same run, with the useful FLOPs of a step 6 N T + 12 L S^2 D B (N parameters, T = B S
 tokens; what PyTorch's model does too); MiB = peak resident memory of one step above the
 process's resident memory before it, plus the state kept between steps (parameters,
-gradients, AdamW's m and v); clean = clean:dropped windows of tfcore / of PyTorch; load = the
+gradients, AdamW's m and v), measured in a fresh process whose allocator returns freed memory
+at once (the timed process keeps the default allocator, which reuses it); clean = clean:dropped windows of tfcore / of PyTorch; load = the
 median rate of other processes' CPU use over all windows of the row, kept or dropped
 (CPU-seconds per second).
 """
@@ -46,6 +47,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -370,6 +372,39 @@ class TorchStep:
         return 4 * n * self.w["wte"].element_size()
 
 
+# -- peak memory, in a fresh process ------------------------------------------------------
+# The timed process keeps glibc's default allocator: it reuses freed blocks, so a step's
+# temporaries cost no page faults. Resident memory then stays at its high-water mark, which
+# hides a step's peak; so the peak is measured in a fresh process whose allocator returns
+# every freed block at once (_fix_malloc), where resident memory follows what is allocated.
+
+def memory_of_step(name, dtype, library, attention="sdpa", tiled=False) -> int | None:
+    """Peak resident memory of one step of `library` ("tfcore" or "torch") above the resident
+    memory before it, plus the state kept between steps; None where it cannot be measured."""
+    code = ("from tfcore import bench; "
+            f"print(bench._memory_child({name!r}, {dtype!r}, {library!r}, {attention!r}, "
+            f"{tiled!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
+    return int(last[0]) if last and last[0].isdigit() else None
+
+
+def _memory_child(name, dtype, library, attention, tiled):
+    backend.set_backend("numpy")
+    _fix_malloc()
+    set_threads(1)
+    cfg, batch, seq = decoder_config(name, dtype)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
+    step = TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])
+    if library == "torch":
+        step = TorchStep(cfg, step.model.params, tokens[:, :-1], tokens[:, 1:], attention)
+    with tiled_attention_in_decoder() if tiled else contextlib.nullcontext():
+        step()
+        rss = rss_peak_bytes(step)
+    return None if rss is None else rss + step.state_bytes()
+
+
 # -- tiled attention in the decoder (an explicit opt-in of the benchmark) -------------------
 
 @contextlib.contextmanager
@@ -478,9 +513,8 @@ def run_config(name, dtype, *, repeats=7, use_torch=True, peak=None, attention="
     ours()
     per_window = max(1, math.ceil(min_window / max(time.perf_counter() - start, 1e-6)))
     sides = _timed_rounds(steps, meter, repeats, max_load, per_window, 3 * repeats, budget)
-    for step, side in zip(steps, sides):
-        rss = rss_peak_bytes(step)
-        side.rss = None if rss is None else rss + step.state_bytes()
+    for library, side in zip(("tfcore", "torch"), sides):
+        side.rss = memory_of_step(name, dtype, library, attention, tiled)
     useful = formula_flops(ours.model.num_parameters(), cfg, batch, seq)
     row = dict(config=name, dtype=dtype, threads=None, batch=batch, seq=seq,
                useful_flops=useful, matmul_flops_dense=step_flops(cfg, batch, seq),
@@ -766,7 +800,6 @@ def main(argv=None):
         print(format_table(args.shown))
         return 0
     backend.set_backend("numpy")
-    _fix_malloc()
     use_torch = not args.no_torch and not args.profile
     torch_version = None
     if use_torch:

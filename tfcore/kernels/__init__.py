@@ -1,4 +1,7 @@
-"""Fused CPU kernels (Numba) for the element-wise and row-wise ops of the training step.
+"""Fused CPU kernels for the element-wise and row-wise ops of the training step: Numba loops
+for the row-wise ones, NumPy's SIMD ufuncs on cache-sized chunks for GELU (Numba's tanh, exp
+and erf are scalar calls), BLAS products split over threads, and a tiled causal attention
+(``tiled_attention_forward`` / ``tiled_attention_backward``, see ``_tiled``).
 
 The array-API functions of ``tfcore.functional`` are the reference: the book proves them, and
 the tests compare every kernel here with them. A reference op hands its work to a kernel only
@@ -12,8 +15,8 @@ when ``applies(...)`` says so:
   the reference.
 
 Every kernel returns what the reference returns, with caches of the same format, so a cache
-made by either path can go to either backward. The kernels compute in float64 whatever the
-storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
+made by either path can go to either backward. The Numba kernels compute in float64 whatever
+the storage dtype; GELU runs the reference's own operations in the storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
 machine pays Numba's compile time (see ``warm_up``).
 """
 from __future__ import annotations
