@@ -555,7 +555,8 @@ def format_table(results: dict) -> str:
              f"{meta['date']}  {meta['cpu']}, {meta['cpus']} CPUs; numpy {meta['numpy']}, "
              f"torch {meta.get('torch') or '-'}; kernels {meta['kernels']}",
              f"windows dropped when other processes used > {meta['max_load']} CPU; "
-             f"ratio = tfcore / PyTorch; {meta['torch_attention']} attention in PyTorch",
+             f"ratio = tfcore / PyTorch; attention: {meta.get('tfcore_attention', 'dense')}"
+             f" in tfcore, {meta['torch_attention']} in PyTorch",
              "GEMM peak GFLOP/s: " + ", ".join(
                  f"{k} {v:.0f}" + (" (busy)" if k in meta.get("busy_peaks", ()) else "")
                  for k, v in meta["peaks"].items()),
