@@ -309,3 +309,115 @@ def test_gelu_backward_into_out(rng, fast):
     with (_nothing() if fast else kernels.disabled()):
         dx = F.gelu_backward(dy, cache, out=dy)
     assert dx is dy and rel(dx, expected) <= 1e-12
+
+
+# -- GELU on NumPy's SIMD ufuncs, in cache-sized chunks shared among threads -----------------
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("form", ["none", "tanh"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gelu_in_chunks_over_threads(rng, dtype, form, threads):
+    """Sizes that cross chunk boundaries and split among threads (8 chunks and a tail)."""
+    import numba
+
+    n = 8 * kernels.CHUNK + 123
+    x, dy = randn(rng, (n,), dtype, 3.0), randn(rng, (n,), dtype)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        (y, cache), (y_ref, _) = both(F.gelu_forward, x, form)
+        assert_close(y, y_ref, dtype)
+        assert_close(*both(F.gelu_backward, dy, cache), dtype)
+        expected = F.gelu_backward(dy, cache)
+        assert F.gelu_backward(dy, cache, out=dy) is dy      # in place, chunk by chunk
+        assert_close(dy, expected, dtype)
+    finally:
+        numba.set_num_threads(previous)
+
+
+# -- tiled attention: online softmax over key blocks -------------------------------------------
+
+def _dense(q, k, v, dout, causal):
+    """The reference attention (kernels off): out, (dq, dk, dv), lse from its scores."""
+    with kernels.disabled():
+        out, cache = F.attention_forward(q, k, v, causal=causal, training=False)
+        grads = F.attention_backward(dout, cache)
+    z = np.matmul(q, np.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
+    if causal:
+        s_q, s_k = z.shape[-2:]
+        z = np.where(np.arange(s_k)[None] > np.arange(s_q)[:, None] + s_k - s_q, -np.inf, z)
+    m = z.max(axis=-1)
+    lse = m + np.log(np.exp(z - m[..., None]).sum(axis=-1))
+    return out, grads, lse
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("causal,b,s_q,s_k", [(True, 2, 130, 130), (True, 1, 7, 150),
+                                              (True, 3, 64, 64), (False, 2, 100, 70),
+                                              (False, 1, 5, 200)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_attention_equals_the_reference(rng, dtype, causal, b, s_q, s_k, threads):
+    """Sequence lengths off the block grid, S_q < S_k, a batch smaller than the threads."""
+    d_h = 8
+    q = randn(rng, (b, 3, s_q, d_h), dtype)
+    k, v = randn(rng, (b, 3, s_k, d_h), dtype), randn(rng, (b, 3, s_k, d_h), dtype)
+    dout = randn(rng, (b, 3, s_q, d_h), dtype)
+    scale = 1.0 / np.sqrt(d_h)
+    out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale, threads=threads)
+    grads = kernels.tiled_attention_backward(dout, q, k, v, out, lse, causal, scale,
+                                             threads=threads)
+    out_ref, grads_ref, lse_ref = _dense(q, k, v, dout, causal)
+    tol = {"float64": 1e-12, "float32": 2e-5}[dtype]
+    assert out.shape == out_ref.shape and lse.shape == (b, 3, s_q)
+    assert out.dtype == lse.dtype == np.dtype(dtype)
+    assert rel(out, out_ref) <= tol and rel(lse, lse_ref) <= tol
+    for grad, ref in zip(grads, grads_ref):
+        assert grad.shape == ref.shape and rel(grad, ref) <= tol, rel(grad, ref)
+
+
+@needs_numba
+def test_tiled_attention_skips_the_blocks_above_the_diagonal(rng):
+    """Counted FLOPs: non-causal = the dense products (the backward recomputes the scores:
+    5 products for the dense 4); causal = only the blocks on or below the diagonal."""
+    b, h, s, d_h, block = 1, 2, 256, 16, 64
+    q, k, v, dout = (randn(rng, (b, h, s, d_h), "float64") for _ in range(4))
+    per_block = 2 * b * h * block * block * d_h              # one [block, block] product
+    for causal, blocks in ((False, 16), (True, 10)):        # 4 x 4 blocks, 4 + 3 + 2 + 1
+        with backend.count_matmuls() as count:
+            count.phase = "forward"
+            out, lse = kernels.tiled_attention_forward(q, k, v, causal, 0.25)
+            count.phase = "backward"
+            kernels.tiled_attention_backward(dout, q, k, v, out, lse, causal, 0.25)
+        assert count.total("forward", "tiled attention") == 2 * blocks * per_block
+        assert count.total("backward", "tiled attention") == 5 * blocks * per_block
+
+
+@needs_numba
+def test_tiled_attention_keeps_nothing_of_size_s_by_s(rng):
+    import tracemalloc
+
+    b, h, s, d_h = 1, 1, 1024, 16
+    q, k, v, dout = (randn(rng, (b, h, s, d_h), "float64") for _ in range(4))
+    tracemalloc.start()
+    try:
+        out, lse = kernels.tiled_attention_forward(q, k, v, True, 0.25, threads=1)
+        kernels.tiled_attention_backward(dout, q, k, v, out, lse, True, 0.25, threads=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < s * s * 8 / 8                      # an eighth of one [S, S] float64 matrix
+
+
+@needs_numba
+def test_tiled_attention_rejects_bad_input(rng):
+    q = randn(rng, (1, 2, 6, 4), "float64")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.tiled_attention_forward(np.swapaxes(q, 1, 2), q, q, False, 0.5)
+    with pytest.raises(TypeError, match="k has dtype float32"):
+        kernels.tiled_attention_forward(q, q.astype(np.float32), q, False, 0.5)
+    with pytest.raises(ValueError, match="S_k >= S_q"):
+        kernels.tiled_attention_forward(q, q[:, :, :3].copy(), q[:, :, :3].copy(), True, 0.5)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        kernels.tiled_attention_backward(q, q, q, q, q, np.zeros((1, 2, 5)), False, 0.5)

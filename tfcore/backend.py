@@ -16,11 +16,15 @@ an op always computes where its inputs already live.
 
 The operations the standard leaves out, and which tfcore needs, live here once:
 :func:`erf` (exact GELU), :func:`scatter_add` (embedding backward with repeated ids) and
-:func:`uniform` (dropout masks).
+:func:`uniform` (dropout masks). And one entry point every matmul of the ops goes through,
+:func:`matmul`, so that :func:`count_matmuls` can observe the products a step really makes.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import threading
 
 import array_api_compat
 import numpy as np
@@ -206,3 +210,80 @@ def scatter_add(target, index, values):
     host = np.array(to_numpy(target))  # writable copy
     np.add.at(host, to_numpy(index), to_numpy(values))
     return namespace(target).asarray(host)
+
+
+# -- matmuls, counted ------------------------------------------------------------------------
+# Every matmul of tfcore's ops (the reference ops and the kernels) calls matmul() below or, for
+# a product made another way (a BLAS call on a part of the arrays), record_matmul(). While a
+# count_matmuls() block is active each product adds its 2 m k n FLOPs, so a FLOP count is a
+# measurement of what ran, not a list of what should have run.
+
+
+class MatmulCount:
+    """The matmuls seen inside one ``with count_matmuls() as count:`` block.
+
+    count.flops     total 2 m k n over every product (times the batch of a batched product)
+    count.calls     how many matmul calls
+    count.by        {(phase, label): flops}; label names the op family ("linear",
+                    "attention", "tiled attention"); phase is whatever the caller set in
+                    count.phase before the products ran (for example "forward", "backward")
+    """
+
+    def __init__(self):
+        self.flops = 0
+        self.calls = 0
+        self.phase = None
+        self.by: dict[tuple, int] = {}
+
+    def add(self, label: str, m: int, k: int, n: int, batch: int = 1):
+        flops = 2 * m * k * n * batch
+        self.flops += flops
+        self.calls += 1
+        key = (self.phase, label)
+        self.by[key] = self.by.get(key, 0) + flops
+
+    def total(self, phase=None, label=None) -> int:
+        """FLOPs of the products of one phase and/or one label (None: any)."""
+        return sum(f for (p, lab), f in self.by.items()
+                   if (phase is None or p == phase) and (label is None or lab == label))
+
+
+_counts: list[MatmulCount] = []
+_count_lock = threading.Lock()      # kernels may make products on several threads at once
+
+
+@contextlib.contextmanager
+def count_matmuls():
+    """``with count_matmuls() as count:`` -> every matmul of tfcore's ops inside is counted."""
+    count = MatmulCount()
+    _counts.append(count)
+    try:
+        yield count
+    finally:
+        _counts.remove(count)
+
+
+def record_matmul(label: str, a_shape, b_shape):
+    """Count a product a [..., m, k] @ b [..., k, n] (leading axes broadcast) made elsewhere."""
+    if not _counts:
+        return
+    m, k = a_shape[-2:] if len(a_shape) > 1 else (1, a_shape[0])
+    n = b_shape[-1] if len(b_shape) > 1 else 1
+    lead_a, lead_b = tuple(a_shape[:-2]), tuple(b_shape[:-2])
+    width = max(len(lead_a), len(lead_b))
+    lead_a = (1,) * (width - len(lead_a)) + lead_a
+    lead_b = (1,) * (width - len(lead_b)) + lead_b
+    batch = math.prod(max(x, y) for x, y in zip(lead_a, lead_b))
+    with _count_lock:
+        for count in _counts:
+            count.add(label, int(m), int(k), int(n), int(batch))
+
+
+def matmul(a, b, label: str = "matmul"):
+    """a @ b on the arrays' own library (array API matmul), counted by count_matmuls().
+
+    a [..., m, k], b [..., k, n] -> [..., m, n]
+    """
+    if _counts:
+        record_matmul(label, tuple(a.shape), tuple(b.shape))
+    return namespace(a, b).matmul(a, b)

@@ -1,35 +1,55 @@
-"""What a training step of the decoder costs: time, FLOP/s against this machine's matmul peak,
-peak memory, and (with PyTorch installed) the same step in PyTorch eager, side by side.
+"""What a training step of the decoder costs, measured so that a busy machine cannot fake it.
 
-    python -m tfcore.bench                      # tiny, small, medium; float32 and float64
-    python -m tfcore.bench --configs small --dtypes float32 --repeats 9
-    python -m tfcore.bench --profile            # where a tfcore step spends its time, op by op
-    python -m tfcore.bench --no-torch           # tfcore alone
+    python -m tfcore.bench --json benchmarks/results.json      # the full table (a few minutes)
+    python -m tfcore.bench --configs small --dtypes float32 --threads 1
+    python -m tfcore.bench --profile                           # where a tfcore step goes
+    python -m tfcore.bench --no-torch                          # tfcore alone
+    python -m tfcore.bench --show benchmarks/results.json      # print a saved table again
 
-A step is forward + backward + AdamW over a GPT-style DecoderLM (pre-LayerNorm, learned
-positions, tanh GELU, tied head). FLOPs of a step: 6 N T + 12 L S^2 D B (N parameters,
-T = B S tokens; the second term is attention's QK^T and AV, forward and backward); the
-exact count of the matmuls is `step_flops(config, B, S)`. The matmul peak is measured in the
-same run (a large square GEMM). Peak memory of a step is measured two ways: NumPy's
-allocations seen by tracemalloc (tfcore only), and the process's peak resident memory
-(VmHWM, reset before the step through /proc/self/clear_refs) minus its resident memory at
-the start of the step, plus the state held between steps (parameters, gradients, AdamW's
-m and v). The predicted figure is the model's size table (tfcore.models.sizes).
+A step is forward + backward + AdamW of a GPT-style DecoderLM (pre-LayerNorm, learned
+positions, tanh GELU, tied head). With PyTorch installed (the CPU build:
+`pip install torch==2.13.0+cpu`), the same model is built in PyTorch eager with the same
+weights and tokens, the two losses must agree, and the two steps are timed alternately in
+one process, so that whatever the machine does falls on both.
 
-With PyTorch (`pip install -e .[bench]`, the CPU build), the same model is built in PyTorch
-eager with the same weights and tokens; the losses must agree; the two steps are timed
-alternately in one process, so that the machine's noise falls on both; the ratios are
-tfcore / PyTorch (below 1: tfcore is faster or smaller). BLAS, Numba and PyTorch all use
-`--threads` threads (default 2).
+Load. For every timed window (one step, or as many steps as fill --min-window seconds) the
+benchmark reads the machine's busy CPU time (/proc/stat) and this process's own CPU time
+(getrusage, threads and waited-for children included) before and after. What the machine
+used beyond this process is other processes' work: a window where they used more than
+--max-load CPU-seconds per second (beyond the counters' resolution) is dropped and counted.
+When fewer than --repeats clean windows remain for either library, no ratio is printed:
+on a busy machine PyTorch's threads stall far more than NumPy's, and a ratio measured there
+flatters tfcore several times over.
+
+Threads. Each thread count of --threads limits both libraries alike: BLAS (threadpoolctl),
+Numba and tfcore's worker threads (numba.set_num_threads), PyTorch (torch.set_num_threads).
+
+Columns: time is the median of the clean windows (ms per step); ratio = tfcore / PyTorch
+(below 1: tfcore is faster); %peak = useful FLOPs per second against the GEMM peak measured in
+the same run, with the useful FLOPs of a step 6 N T + 12 L S^2 D B (N parameters, T = B S
+tokens; what PyTorch's model does too); MiB = peak resident memory of one step above the
+process's resident memory before it, plus the state kept between steps (parameters,
+gradients, AdamW's m and v), measured in a fresh process whose allocator returns freed memory
+at once (the timed process keeps the default allocator, which reuses it); clean = clean:dropped windows of tfcore / of PyTorch; load = the
+median rate of other processes' CPU use over all windows of the row, kept or dropped
+(CPU-seconds per second).
 """
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import ctypes
 import gc
+import inspect
+import json
 import math
+import os
+import platform
+import resource
 import statistics
+import subprocess
+import sys
+import textwrap
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -46,6 +66,7 @@ CONFIGS = {
     "medium": dict(vocab_size=1024, d_model=512, n_layers=6, n_heads=8, seq=256, batch=4),
 }
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
+DTYPES = ("float32", "float64")
 
 
 def decoder_config(name: str, dtype: str) -> tuple[DecoderConfig, int, int]:
@@ -58,25 +79,33 @@ def decoder_config(name: str, dtype: str) -> tuple[DecoderConfig, int, int]:
 # -- FLOPs ---------------------------------------------------------------------------------
 
 def formula_flops(n_params: int, cfg: DecoderConfig, batch: int, seq: int) -> int:
-    """6 N T + 12 L S^2 D B: the dense part (2 N T forward, 4 N T backward) and attention."""
+    """6 N T + 12 L S^2 D B: the dense part (2 N T forward, 4 N T backward) and attention
+    (the whole S x S score matrix: QK^T and AV forward, four products backward)."""
     return 6 * n_params * batch * seq + 12 * cfg.n_layers * seq * seq * cfg.d_model * batch
 
 
 def step_flops(cfg: DecoderConfig, batch: int, seq: int) -> int:
-    """The exact FLOPs of every matmul of a step of the GPT-style decoder (2 m n k each).
-
-    Forward per layer: qkv 2 T D 3D, scores 2 B S S D, A V 2 B S S D, proj 2 T D D,
-    fc 2 T D F, proj 2 T F D; the head 2 T D V. Backward: twice each (dx and dW; dq, dk and
-    dA, dv). So 6 T (L (4 D^2 + 2 D F) + D V) + 12 L B S^2 D: the formula's 6 N T with N
-    the parameters that take part in a matmul (no biases, gains or positions).
-    """
+    """6 T (L (4 D^2 + 2 D F) + D V) + 12 L B S^2 D: the matmuls of a step of the GPT-style
+    decoder with the dense attention, from the shapes (count_step_flops measures them)."""
     T, D, F_ = batch * seq, cfg.d_model, cfg.d_ff
     dense = cfg.n_layers * (4 * D * D + 2 * D * F_) + D * cfg.vocab_size
     return 6 * T * dense + 12 * cfg.n_layers * batch * seq * seq * D
 
 
+def count_step_flops(model, ids, targets):
+    """Run one forward and backward of `model` and count its matmuls as they run
+    (tfcore.backend.count_matmuls): returns the MatmulCount, phases "forward" and "backward"."""
+    with backend.count_matmuls() as count:
+        count.phase = "forward"
+        model.forward(ids, targets, training=True)
+        count.phase = "backward"
+        model.backward()
+    return count
+
+
 def matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
-    """GFLOP/s of the best of `repeats` n x n x n GEMMs in NumPy (this machine's BLAS peak)."""
+    """GFLOP/s of the best of `repeats` n x n x n GEMMs in NumPy (this machine's BLAS peak
+    at the current thread setting)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n)).astype(dtype)
     b = rng.standard_normal((n, n)).astype(dtype)
@@ -90,74 +119,91 @@ def matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
-class MatmulCounter:
-    """While active, counts 2 m n k for every matmul that the linear and attention ops run.
+def clean_matmul_peak(dtype: str, meter, max_load: float, tries: int = 5):
+    """(GFLOP/s, clean): the best matmul_peak over `tries` windows the load check keeps, or
+    the best of all with clean=False when none was kept."""
+    kept, every = [], []
+    for _ in range(tries):
+        box = []
+        window = meter.measure(lambda: box.append(matmul_peak(dtype)))
+        every.append(box[0])
+        if window.clean(max_load):
+            kept.append(box[0])
+    return (max(kept), True) if kept else (max(every), False)
 
-    with MatmulCounter() as count: ...one step...    then count.flops, count.by_kind
-    The ops' own matmuls, listed from their shapes (on any backend): linear forward
-    x W [N, D_in] [D_in, D_out]; backward dy W^T and x^T dy; attention forward q k^T and
-    A v per (batch, head); backward dout v^T, A^T dout, dZ k and dZ^T q.
-    """
 
-    def __init__(self):
-        self.flops = 0
-        self.by_kind: dict[str, int] = {}
-        self._undo = []
+# -- the load of the machine ---------------------------------------------------------------
 
-    def add(self, kind: str, m: int, k: int, n: int, batch: int = 1):
-        flops = 2 * m * k * n * batch
-        self.flops += flops
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + flops
+CLOCK_TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
-    def __enter__(self):
-        from . import functional as F
-        from .models import blocks
 
-        lin_f, lin_b = F.linear_forward, F.linear_backward
-        att_f, att_b = F.attention_forward, F.attention_backward
+def machine_busy_seconds(path: str = "/proc/stat") -> float | None:
+    """CPU-seconds all CPUs of the machine have spent busy since boot (user, nice, system,
+    irq, softirq, steal; not idle or iowait), or None where /proc/stat cannot be read."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]] + [0] * 8
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+    return (user + nice + system + irq + softirq + steal) * CLOCK_TICK
 
-        def linear_forward(x, W, b=None):
-            self.add("linear forward", math.prod(x.shape[:-1]), *W.shape)
-            return lin_f(x, W, b)
 
-        def linear_backward(dy, cache):
-            x, W = cache[0], cache[1]
-            n, (d_in, d_out) = math.prod(x.shape[:-1]), W.shape
-            self.add("linear backward", n, d_out, d_in)              # dx = dy W^T
-            self.add("linear backward", d_in, n, d_out)              # dW = x^T dy
-            return lin_b(dy, cache)
+def own_cpu_seconds() -> float:
+    """CPU-seconds this process used (all its threads) and its waited-for children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-        def attention_forward(q, k, v, *args, **kwargs):
-            b, h, s_q, d_h = q.shape
-            s_k, d_v = k.shape[2], v.shape[3]
-            self.add("attention forward", s_q, d_h, s_k, b * h)      # q k^T
-            self.add("attention forward", s_q, s_k, d_v, b * h)      # A v
-            return att_f(q, k, v, *args, **kwargs)
 
-        def attention_backward(dout, cache):
-            q, k, v = cache[0], cache[1], cache[2]
-            b, h, s_q, d_h = q.shape
-            s_k, d_v = k.shape[2], v.shape[3]
-            self.add("attention backward", s_k, s_q, d_v, b * h)     # dV = A^T dout
-            self.add("attention backward", s_q, d_v, s_k, b * h)     # dA = dout V^T
-            self.add("attention backward", s_q, s_k, d_h, b * h)     # dQ = dZ K
-            self.add("attention backward", s_k, s_q, d_h, b * h)     # dK = dZ^T Q
-            return att_b(dout, cache)
+@dataclass
+class Window:
+    """One timed window: wall seconds, the machine's busy CPU-seconds and this process's."""
+    wall: float
+    machine: float | None
+    own: float
+    resolution: float          # the counters' error: a tick per CPU at each end
 
-        for mod, name, fn in ((F, "linear_forward", linear_forward),
-                              (F, "linear_backward", linear_backward),
-                              (F, "attention_forward", attention_forward),
-                              (F, "attention_backward", attention_backward),
-                              (blocks, "attention_forward", attention_forward),
-                              (blocks, "attention_backward", attention_backward)):
-            self._undo.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, fn)
-        return self
+    @property
+    def others(self) -> float | None:
+        """CPU-seconds other processes used during the window (None: unknown)."""
+        if self.machine is None:
+            return None
+        return max(0.0, self.machine - self.own)
 
-    def __exit__(self, *exc):
-        for mod, name, fn in reversed(self._undo):
-            setattr(mod, name, fn)
-        return False
+    @property
+    def others_rate(self) -> float | None:
+        """Other processes' CPU use, in CPUs (CPU-seconds per second), beyond the resolution."""
+        others = self.others
+        if others is None:
+            return None
+        return max(0.0, others - self.resolution) / max(self.wall, 1e-9)
+
+    def clean(self, max_load: float) -> bool:
+        """Others used at most max_load CPUs (unknown load is never clean)."""
+        rate = self.others_rate
+        return rate is not None and rate <= max_load
+
+
+class LoadMeter:
+    """Times a call and measures the CPU the rest of the machine used meanwhile.
+
+    The sources can be replaced (the tests give made-up counters)."""
+
+    def __init__(self, machine=machine_busy_seconds, own=own_cpu_seconds,
+                 clock=time.perf_counter, cpus: int | None = None, tick: float = CLOCK_TICK):
+        self.machine, self.own, self.clock = machine, own, clock
+        self.resolution = 2 * (cpus or os.cpu_count() or 1) * tick
+
+    def measure(self, fn) -> Window:
+        m0, o0, t0 = self.machine(), self.own(), self.clock()
+        fn()
+        t1, o1, m1 = self.clock(), self.own(), self.machine()
+        machine = None if m0 is None or m1 is None else m1 - m0
+        return Window(t1 - t0, machine, o1 - o0, self.resolution)
 
 
 def memory_bandwidth(n_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
@@ -315,7 +361,7 @@ class TorchStep:
         loss = self.forward()
         loss.backward()
         self.opt.step()
-        self.loss = float(loss)
+        self.loss = float(loss.detach())
 
     def first_loss(self) -> float:
         with self.torch.no_grad():
@@ -326,31 +372,131 @@ class TorchStep:
         return 4 * n * self.w["wte"].element_size()
 
 
+# -- peak memory, in a fresh process ------------------------------------------------------
+# The timed process keeps glibc's default allocator: it reuses freed blocks, so a step's
+# temporaries cost no page faults. Resident memory then stays at its high-water mark, which
+# hides a step's peak; so the peak is measured in a fresh process whose allocator returns
+# every freed block at once (_fix_malloc), where resident memory follows what is allocated.
+
+def memory_of_step(name, dtype, library, attention="sdpa", tiled=False) -> int | None:
+    """Peak resident memory of one step of `library` ("tfcore" or "torch") above the resident
+    memory before it, plus the state kept between steps; None where it cannot be measured."""
+    code = ("from tfcore import bench; "
+            f"print(bench._memory_child({name!r}, {dtype!r}, {library!r}, {attention!r}, "
+            f"{tiled!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
+    return int(last[0]) if last and last[0].isdigit() else None
+
+
+def _memory_child(name, dtype, library, attention, tiled):
+    backend.set_backend("numpy")
+    _fix_malloc()
+    set_threads(1)
+    cfg, batch, seq = decoder_config(name, dtype)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
+    step = TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])
+    if library == "torch":
+        step = TorchStep(cfg, step.model.params, tokens[:, :-1], tokens[:, 1:], attention)
+    with tiled_attention_in_decoder() if tiled else contextlib.nullcontext():
+        step()
+        rss = rss_peak_bytes(step)
+    return None if rss is None else rss + step.state_bytes()
+
+
+# -- tiled attention in the decoder (an explicit opt-in of the benchmark) -------------------
+
+@contextlib.contextmanager
+def tiled_attention_in_decoder():
+    """Inside the block, the decoder's attention runs tfcore.kernels' tiled attention where it
+    applies (NumPy float arrays, no dropout while training, no masks but the causal one):
+    q, k, v are copied contiguous, the cache is (q, k, v, out, lse, causal, scale)."""
+    from .models import blocks
+
+    dense_forward, dense_backward = blocks.attention_forward, blocks.attention_backward
+
+    def attention_forward(q, k, v, mask=None, key_padding=None, causal=False, dropout_p=0.0,
+                          rng=None, training=True):
+        if (mask is None and key_padding is None and (dropout_p == 0 or not training)
+                and kernels.applies(q, k, v, contiguous=False)
+                and (not causal or q.shape[2] <= k.shape[2])):
+            q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
+            return out, _TiledCache((q, k, v, out, lse, causal, scale))
+        return dense_forward(q, k, v, mask=mask, key_padding=key_padding, causal=causal,
+                             dropout_p=dropout_p, rng=rng, training=training)
+
+    def attention_backward(dout, cache):
+        if isinstance(cache, _TiledCache):
+            q, k, v, out, lse, causal, scale = cache
+            return kernels.tiled_attention_backward(np.ascontiguousarray(dout), q, k, v, out,
+                                                    lse, causal, scale)
+        return dense_backward(dout, cache)
+
+    blocks.attention_forward, blocks.attention_backward = attention_forward, attention_backward
+    try:
+        yield
+    finally:
+        blocks.attention_forward, blocks.attention_backward = dense_forward, dense_backward
+
+
+class _TiledCache(tuple):
+    """The tiled attention's cache (q, k, v, out, lse, causal, scale), told apart by type."""
+
+
 # -- one configuration ---------------------------------------------------------------------
 
 @dataclass
-class Result:
-    config: str
-    dtype: str
+class Side:
+    """The clean windows of one library: ms per step of each, and what was dropped."""
     times: list
-    flops: int
-    formula: int
-    peak: float
-    tracemalloc: int
-    rss: int | None
-    predicted: int
-    torch_times: list | None = None
-    torch_rss: int | None = None
-    loss_diff: float | None = None
+    dropped: int
+    loads: list                 # others' CPU rate of each kept window
+    rss: int | None = None
+    seen: list = None           # others' CPU rate of every window, kept or dropped
+
+    @property
+    def median(self):
+        return statistics.median(self.times) if self.times else None
 
 
-def run_config(name, dtype, repeats, use_torch, peak, attention="sdpa", warmup=2):
+def _timed_rounds(steps, meter, repeats, max_load, per_window, max_rounds, budget=math.inf):
+    """Alternate the steps (their order flips every round) until each has `repeats` clean
+    windows, or max_rounds rounds ran, or `budget` seconds passed -> one Side per step."""
+    sides = [Side([], 0, []) for _ in steps]
+    start = time.perf_counter()
+    for round_index in range(max_rounds):
+        if time.perf_counter() - start > budget:
+            break
+        if all(len(s.times) >= repeats for s in sides):
+            break
+        if any(repeats - len(s.times) > max_rounds - round_index for s in sides):
+            break                                   # too few rounds left to get enough
+        order = range(len(steps)) if round_index % 2 == 0 else reversed(range(len(steps)))
+        for i in order:
+            step, side = steps[i], sides[i]
+            window = meter.measure(lambda: [step() for _ in range(per_window)])
+            side.seen = (side.seen or []) + [window.others_rate]
+            if window.clean(max_load):
+                side.times.append(window.wall / per_window)
+                side.loads.append(window.others_rate)
+            else:
+                side.dropped += 1
+    return sides
+
+
+def run_config(name, dtype, *, repeats=7, use_torch=True, peak=None, attention="sdpa",
+               warmup=2, max_load=0.1, min_window=0.5, meter=None, tiled=False, budget=300.0):
+    """Time the tfcore step (and PyTorch's) of one configuration -> a dict (one table row)."""
     cfg, batch, seq = decoder_config(name, dtype)
+    meter = meter or LoadMeter()
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
     ids, targets = tokens[:, :-1], tokens[:, 1:]
     ours = TfcoreStep(cfg, ids, targets)
-    theirs = None
+    steps = [ours]
     loss_diff = None
     if use_torch:
         theirs = TorchStep(cfg, ours.model.params, ids, targets, attention)
@@ -359,57 +505,102 @@ def run_config(name, dtype, repeats, use_torch, peak, attention="sdpa", warmup=2
         bar = 1e-10 if dtype == "float64" else 1e-4
         if not loss_diff <= bar:
             raise AssertionError(f"{name} {dtype}: losses disagree, tfcore {a} PyTorch {b}")
+        steps.append(theirs)
     for _ in range(warmup):
-        ours()
-        if theirs is not None:
-            theirs()
-    times, torch_times = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ours()
-        times.append(time.perf_counter() - start)
-        if theirs is not None:
-            start = time.perf_counter()
-            theirs()
-            torch_times.append(time.perf_counter() - start)
-    rss = rss_peak_bytes(ours)
-    rss = None if rss is None else rss + ours.state_bytes()
-    traced = tracemalloc_peak_bytes(ours)
-    torch_rss = None
-    if theirs is not None:
-        torch_rss = rss_peak_bytes(theirs)
-        torch_rss = None if torch_rss is None else torch_rss + theirs.state_bytes()
-    sizes = ours.model.size_table(batch, seq)
-    n_params = ours.model.num_parameters()
-    return Result(name, dtype, times, step_flops(cfg, batch, seq),
-                  formula_flops(n_params, cfg, batch, seq), peak, traced + ours.state_bytes(),
-                  rss, sizes["total_training_bytes"], torch_times or None, torch_rss, loss_diff)
+        for step in steps:
+            step()
+    start = time.perf_counter()
+    ours()
+    per_window = max(1, math.ceil(min_window / max(time.perf_counter() - start, 1e-6)))
+    sides = _timed_rounds(steps, meter, repeats, max_load, per_window, 3 * repeats, budget)
+    for library, side in zip(("tfcore", "torch"), sides):
+        side.rss = memory_of_step(name, dtype, library, attention, tiled)
+    useful = formula_flops(ours.model.num_parameters(), cfg, batch, seq)
+    row = dict(config=name, dtype=dtype, threads=None, batch=batch, seq=seq,
+               useful_flops=useful, matmul_flops_dense=step_flops(cfg, batch, seq),
+               peak_gflops=peak, steps_per_window=per_window, max_load=max_load,
+               repeats=repeats, loss_rel_diff=loss_diff,
+               attention_tfcore="tiled" if tiled else "dense",
+               attention_torch=attention if use_torch else None)
+    for label, side in zip(("tfcore", "torch"), sides):
+        enough = len(side.times) >= repeats
+        med = side.median if enough else None
+        row[label] = dict(ms=None if med is None else 1e3 * med, clean=len(side.times),
+                          dropped=side.dropped, rss_bytes=side.rss,
+                          load_max=max(side.loads) if side.loads else None,
+                          load_seen=_median_known(side.seen or []),
+                          pct_peak=(None if med is None or not peak
+                                    else 100 * useful / med / 1e9 / peak))
+    if use_torch and row["tfcore"]["ms"] and row["torch"]["ms"]:
+        row["ratio"] = row["tfcore"]["ms"] / row["torch"]["ms"]
+    else:
+        row["ratio"] = None
+    if use_torch and row["tfcore"]["rss_bytes"] and row["torch"]["rss_bytes"]:
+        row["memory_ratio"] = row["tfcore"]["rss_bytes"] / row["torch"]["rss_bytes"]
+    else:
+        row["memory_ratio"] = None
+    return row
+
+
+# -- the table -----------------------------------------------------------------------------
+
+def _f(x, fmt, width):
+    return ("-" if x is None else format(x, fmt)).rjust(width)
+
+
+def format_table(results: dict) -> str:
+    """The benchmark's table (what `--json` saved) as one block of text, 84 columns wide."""
+    meta = results["meta"]
+    lines = [f"{meta['command']}",
+             f"{meta['date']}  {meta['cpu']}, {meta['cpus']} CPUs; numpy {meta['numpy']}, "
+             f"torch {meta.get('torch') or '-'}; kernels {meta['kernels']}",
+             f"windows dropped when other processes used > {meta['max_load']} CPU; "
+             f"ratio = tfcore / PyTorch; attention: {meta.get('tfcore_attention', 'dense')}"
+             f" in tfcore, {meta['torch_attention']} in PyTorch",
+             "GEMM peak GFLOP/s: " + ", ".join(
+                 f"{k} {v:.0f}" + (" (busy)" if k in meta.get("busy_peaks", ()) else "")
+                 for k, v in meta["peaks"].items()),
+             "thr config dtype  tfcore ms  torch ms ratio %peak tf/pt   MiB tf/pt"
+             "  clean tf/pt  load"]
+    refused = []
+    for r in results["rows"]:
+        t, p = r["tfcore"], r.get("torch") or {}
+        load = max([x for x in (t.get("load_seen"), p.get("load_seen")) if x is not None],
+                   default=None)
+        clean = f"{t['clean']}:{t['dropped']}/{p.get('clean', '-')}:{p.get('dropped', '-')}"
+        pct = f"{_f(t['pct_peak'], '.0f', 0)}/{_f(p.get('pct_peak'), '.0f', 0)}"
+        mem = f"{_f(_mib(t['rss_bytes']), '.0f', 0)}/{_f(_mib(p.get('rss_bytes')), '.0f', 0)}"
+        lines.append(f"{r['threads']:3d} {r['config']:6s} {r['dtype']:7s}"
+                     f"{_f(t['ms'], '.1f', 10)}{_f(p.get('ms'), '.1f', 10)}"
+                     f"{_f(r['ratio'], '.2f', 6)}{pct:>12s}{mem:>12s}"
+                     f"{clean:>13s}{_f(load, '.2f', 6)}")
+        if p and r["ratio"] is None:
+            refused.append(f"{r['threads']} thr {r['config']} {r['dtype']}")
+    if refused:
+        lines += textwrap.wrap("no ratio (fewer than --repeats clean windows: the machine was "
+                               "busy): " + "; ".join(refused), 84)
+    head = [part for line in lines[:4] for part in textwrap.wrap(line, 84)]
+    return "\n".join(head + lines[4:])
 
 
 def _mib(n):
-    return "-" if n is None else f"{n / 2**20:.1f}"
+    return None if n is None else n / 2**20
 
 
-def report(r: Result, batch_tokens: int) -> str:
-    med = statistics.median(r.times)
-    spread = (max(r.times) - min(r.times)) / 2
-    gflops = r.formula / med / 1e9
-    line = (f"{r.config:6s} {r.dtype:7s} {med * 1e3:8.1f} ms +-{spread * 1e3:6.1f} "
-            f"{batch_tokens / med:9.0f} tok/s  {r.formula / 1e9:7.3f} GFLOP "
-            f"{gflops:6.1f} GFLOP/s {100 * gflops / r.peak:5.1f}% of peak  "
-            f"mem MiB: traced {_mib(r.tracemalloc)} rss {_mib(r.rss)} "
-            f"predicted {_mib(r.predicted)}")
-    if r.torch_times:
-        tmed = statistics.median(r.torch_times)
-        tg = r.formula / tmed / 1e9
-        ratio_mem = (r.rss / r.torch_rss) if (r.rss and r.torch_rss) else float("nan")
-        line += (f"\n{'':14s} PyTorch {tmed * 1e3:8.1f} ms +-"
-                 f"{(max(r.torch_times) - min(r.torch_times)) / 2 * 1e3:6.1f} "
-                 f"{tg:6.1f} GFLOP/s {100 * tg / r.peak:5.1f}% of peak  rss "
-                 f"{_mib(r.torch_rss)} MiB   loss rel diff {r.loss_diff:.1e}"
-                 f"\n{'':14s} ratio tfcore/PyTorch: time {med / tmed:.2f}  "
-                 f"peak memory {ratio_mem:.2f}")
-    return line
+def _median_known(values):
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 # -- the profile ---------------------------------------------------------------------------
@@ -513,7 +704,8 @@ def profile(name, dtype, steps=5, warmup=2):
 # -- command line --------------------------------------------------------------------------
 
 def set_threads(n: int):
-    """BLAS, Numba and PyTorch each use n threads (returns the threadpoolctl limiter)."""
+    """BLAS, Numba (and tfcore's workers) and PyTorch each use n threads; returns the
+    threadpoolctl limiter (keep it alive while timing)."""
     limiter = None
     try:
         from threadpoolctl import threadpool_limits
@@ -521,62 +713,159 @@ def set_threads(n: int):
         limiter = threadpool_limits(n)
     except ImportError:
         pass
-    if kernels.enabled():
+    if kernels.available():
         import numba
 
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    try:
-        import torch
-
-        torch.set_num_threads(n)
-    except ImportError:
-        pass
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
     return limiter
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tfcore.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """Every bad argument: one line `error: ...` on stderr and exit status 2."""
+        sys.stderr.write(f"error: {' '.join(message.split())}\n")
+        sys.exit(2)
+
+
+def _positive(kind, name):
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                f"got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text!r}")
+        return value
+    return convert
+
+
+def _non_negative(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-load must be a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--max-load must be >= 0, got {text!r}")
+    return value
+
+
+def parse_args(argv=None):
+    parser = _Parser(prog="python -m tfcore.bench", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"],
-                        choices=["float32", "float64"])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--threads", nargs="+", type=_positive(int, "--threads"),
+                        default=[1, 2], help="thread counts to run at (default: 1 2)")
+    parser.add_argument("--repeats", type=_positive(int, "--repeats"), default=7,
+                        help="clean windows needed per library (default 7)")
+    parser.add_argument("--max-load", type=_non_negative, default=0.1,
+                        help="CPUs other processes may use in a kept window (default 0.1)")
+    parser.add_argument("--min-window", type=_positive(float, "--min-window"), default=0.5,
+                        help="seconds a timed window lasts at least (default 0.5)")
+    parser.add_argument("--budget", type=_positive(float, "--budget"), default=300.0,
+                        help="seconds of timed windows per row at most (default 300)")
+    parser.add_argument("--no-torch", action="store_true", help="tfcore alone")
     parser.add_argument("--torch-attention", choices=["sdpa", "math"], default="sdpa",
-                        help="PyTorch's fused attention (default) or softmax(QK^T)V written out")
-    parser.add_argument("--profile", action="store_true")
+                        help="PyTorch's scaled_dot_product_attention (default) or "
+                             "softmax(QK^T)V written out")
+    parser.add_argument("--tfcore-attention", choices=["dense", "tiled"], default="dense",
+                        help="tfcore's decoder with its dense attention (default) or with "
+                             "tfcore.kernels' tiled attention (opt-in)")
+    parser.add_argument("--profile", action="store_true", help="op-by-op profile of tfcore")
+    parser.add_argument("--json", metavar="PATH", help="also save the table as JSON here")
+    parser.add_argument("--show", metavar="PATH", help="print a saved table and exit")
     args = parser.parse_args(argv)
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            parser.error(f"--json: folder {folder} does not exist")
+    if args.show:
+        try:
+            with open(args.show) as f:
+                args.shown = json.load(f)
+            args.shown["rows"], args.shown["meta"]["command"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            parser.error(f"--show: {args.show} is not a saved benchmark table ({err})")
+    if args.profile and args.json:
+        parser.error("--profile prints a profile, not a table: leave out --json")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.show:
+        print(format_table(args.shown))
+        return 0
     backend.set_backend("numpy")
-    _fix_malloc()
-    limiter = set_threads(args.threads)
-    use_torch = not args.no_torch
+    use_torch = not args.no_torch and not args.profile
+    torch_version = None
     if use_torch:
         try:
-            import torch  # noqa: F401
+            import torch
+            torch_version = torch.__version__
         except ImportError:
-            print("PyTorch is not installed (pip install -e .[bench]): tfcore alone")
+            print("PyTorch is not installed (pip install torch==2.13.0+cpu): tfcore alone")
             use_torch = False
     if kernels.enabled():
         print(f"kernels on (Numba): warm-up {kernels.warm_up(args.dtypes):.1f} s")
     else:
         print("kernels off: the reference array-API path")
-    peaks = {dt: matmul_peak(dt) for dt in args.dtypes}
-    print("matmul peak (NumPy, 1024^3 GEMM, best of 5): "
-          + ", ".join(f"{dt} {p:.1f} GFLOP/s" for dt, p in peaks.items()))
-    print(f"threads {args.threads}; FLOPs of a step = 6 N T + 12 L S^2 D B; memory: traced = "
-          "tracemalloc peak + state, rss = VmHWM over the step + state (params, grads, m, v)")
-    for name in args.configs:
+    tiled = args.tfcore_attention == "tiled"
+    meta = dict(command="python -m tfcore.bench " + " ".join(
+                    sys.argv[1:] if argv is None else argv),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpu=_cpu_name(),
+                cpus=os.cpu_count(), numpy=np.__version__, torch=torch_version,
+                kernels="on" if kernels.enabled() else "off", max_load=args.max_load,
+                torch_attention=args.torch_attention, tfcore_attention=args.tfcore_attention,
+                peaks={})
+    rows = []
+    meter = LoadMeter()
+    for threads in args.threads:
+        limiter = set_threads(threads)
         for dtype in args.dtypes:
-            if args.profile:
-                print(profile(name, dtype))
-                continue
-            r = run_config(name, dtype, args.repeats, use_torch, peaks[dtype],
-                           args.torch_attention)
-            c = CONFIGS[name]
-            print(report(r, c["batch"] * c["seq"]), flush=True)
-    del limiter
+            peak, clean = clean_matmul_peak(dtype, meter, args.max_load)
+            meta["peaks"][f"{dtype} {threads}thr"] = peak
+            if not clean:
+                meta.setdefault("busy_peaks", []).append(f"{dtype} {threads}thr")
+        print(f"{threads} thread(s): GEMM peak " + ", ".join(
+            f"{dt} {meta['peaks'][f'{dt} {threads}thr']:.0f} GFLOP/s" for dt in args.dtypes),
+            flush=True)
+        for name in args.configs:
+            for dtype in args.dtypes:
+                with tiled_attention_in_decoder() if tiled else contextlib.nullcontext():
+                    if args.profile:
+                        print(profile(name, dtype), flush=True)
+                        continue
+                    row = run_config(name, dtype, repeats=args.repeats, use_torch=use_torch,
+                                     peak=meta["peaks"][f"{dtype} {threads}thr"],
+                                     attention=args.torch_attention, max_load=args.max_load,
+                                     min_window=args.min_window, meter=meter, tiled=tiled,
+                                     budget=args.budget)
+                row["threads"] = threads
+                rows.append(row)
+                t = row["tfcore"]
+                seen = t["load_seen"]
+                print(f"  {name} {dtype}: tfcore {t['clean']} clean, {t['dropped']} dropped"
+                      + (f"; PyTorch {row['torch']['clean']} clean, "
+                         f"{row['torch']['dropped']} dropped" if use_torch else "")
+                      + ("" if seen is None else
+                         f"; other processes used {seen:.2f} CPU (median)"), flush=True)
+        del limiter
+    if args.profile:
+        return 0
+    results = dict(meta=meta, rows=rows)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+        print(f"saved {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

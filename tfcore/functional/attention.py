@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from .. import checks, kernels
-from ..backend import namespace
+from ..backend import matmul, namespace
 from .regularization import dropout_backward, dropout_forward
 from .softmax import _check_mask, softmax_backward
 
@@ -83,7 +83,7 @@ def attention_forward(
             and kernels.applies(q, k, v, contiguous=False)):
         return kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)
 
-    z = xp.matmul(q, xp.matrix_transpose(k))                        # [B, H, S_q, S_k]
+    z = matmul(q, xp.matrix_transpose(k), "attention")              # [B, H, S_q, S_k]
     z *= scale
     if causal:
         if s_q > s_k:
@@ -120,7 +120,7 @@ def attention_forward(
     del z
     A /= xp.sum(A, axis=-1, keepdims=True)
     A_dropped, drop = dropout_forward(A, dropout_p, rng=rng, training=training)
-    out = xp.matmul(A_dropped, v)                                   # [B, H, S_q, D_v]
+    out = matmul(A_dropped, v, "attention")                         # [B, H, S_q, D_v]
     cache = (q, k, v, A, drop, scale, (tuple(out.shape), out.dtype, xp))
     return out, cache
 
@@ -140,14 +140,14 @@ def attention_backward(dout, cache):
     if kernels.applies(dout, q, k, v, A, contiguous=False) and A.flags.c_contiguous:
         return kernels.attention_backward(dout, cache)
     A_dropped = dropout_backward(A, drop)                           # [B, H, S_q, S_k]
-    dv = xp.matmul(xp.matrix_transpose(A_dropped), dout)            # [B, H, S_k, D_v]
+    dv = matmul(xp.matrix_transpose(A_dropped), dout, "attention")  # [B, H, S_k, D_v]
     del A_dropped
-    dA = dropout_backward(xp.matmul(dout, xp.matrix_transpose(v)), drop)
+    dA = dropout_backward(matmul(dout, xp.matrix_transpose(v), "attention"), drop)
     dz = softmax_backward(dA, A)                                    # [B, H, S_q, S_k]
     del dA
     dz *= scale
-    dq = xp.matmul(dz, k)                                           # [B, H, S_q, D_h]
-    dk = xp.matmul(xp.matrix_transpose(dz), q)                      # [B, H, S_k, D_h]
+    dq = matmul(dz, k, "attention")                                 # [B, H, S_q, D_h]
+    dk = matmul(xp.matrix_transpose(dz), q, "attention")            # [B, H, S_k, D_h]
     return dq, dk, dv
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import checks, kernels
-from ..backend import namespace
+from ..backend import matmul, namespace
 from ._common import _flat_rows
 
 
@@ -24,7 +24,8 @@ def linear_forward(x, W, b=None):
         checks.shape("b", b, (d_out,))
     if kernels.applies(x, W, b, contiguous=False):
         return kernels.linear_forward(x, W, b), (x, W, b is not None)
-    y = xp.reshape(_flat_rows(x, d_in) @ W, tuple(x.shape[:-1]) + (d_out,))  # one GEMM [N, D_in] @ [D_in, D_out]
+    y = matmul(_flat_rows(x, d_in), W, "linear")                      # one GEMM [N, D_in] @ [D_in, D_out]
+    y = xp.reshape(y, tuple(x.shape[:-1]) + (d_out,))
     if b is not None:
         y += b
     return y, (x, W, b is not None)
@@ -42,7 +43,7 @@ def linear_backward(dy, cache):
         return kernels.linear_backward(dy, x, W, has_bias)
     xp = namespace(dy, W)
     dy_rows = _flat_rows(dy, d_out)                                    # [N, D_out]
-    dx = xp.reshape(dy_rows @ W.T, tuple(x.shape))                    # [N, D_in] -> [..., D_in]
-    dW = _flat_rows(x, d_in).T @ dy_rows                              # [D_in, N] @ [N, D_out]
+    dx = xp.reshape(matmul(dy_rows, W.T, "linear"), tuple(x.shape))    # [N, D_in] -> [..., D_in]
+    dW = matmul(_flat_rows(x, d_in).T, dy_rows, "linear")              # [D_in, N] @ [N, D_out]
     db = xp.sum(dy_rows, axis=0) if has_bias else None                # [D_out]
     return dx, dW, db

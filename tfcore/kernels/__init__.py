@@ -1,4 +1,7 @@
-"""Fused CPU kernels (Numba) for the element-wise and row-wise ops of the training step.
+"""Fused CPU kernels for the element-wise and row-wise ops of the training step: Numba loops
+for the row-wise ones, NumPy's SIMD ufuncs on cache-sized chunks for GELU (Numba's tanh, exp
+and erf are scalar calls), BLAS products split over threads, and a tiled causal attention
+(``tiled_attention_forward`` / ``tiled_attention_backward``, see ``_tiled``).
 
 The array-API functions of ``tfcore.functional`` are the reference: the book proves them, and
 the tests compare every kernel here with them. A reference op hands its work to a kernel only
@@ -12,8 +15,8 @@ when ``applies(...)`` says so:
   the reference.
 
 Every kernel returns what the reference returns, with caches of the same format, so a cache
-made by either path can go to either backward. The kernels compute in float64 whatever the
-storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
+made by either path can go to either backward. The Numba kernels compute in float64 whatever
+the storage dtype; GELU runs the reference's own operations in the storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
 machine pays Numba's compile time (see ``warm_up``).
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 
 import numpy as np
 
-from ..backend import namespace
+from ..backend import namespace, record_matmul
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 _enabled = os.environ.get("TFCORE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -111,6 +114,9 @@ def _writable_numba_cache() -> None:
                   "path)", RuntimeWarning, stacklevel=3)
 
 
+from ._tiled import tiled_attention_backward, tiled_attention_forward  # noqa: E402,F401
+
+
 def _rows(x, width):
     return x.reshape(-1, width)
 
@@ -123,20 +129,114 @@ def _chunks(n_rows: int) -> int:
 
 
 # -- GELU -------------------------------------------------------------------------------
+# Numba from PyPI calls a scalar tanh/exp/erf per element (its LLVM has no vector math
+# library), while NumPy's own np.tanh and np.exp are SIMD loops. So GELU runs the reference's
+# own sequence of in-place ufuncs, but on chunks of CHUNK elements that stay in the cache
+# (the reference makes a pass over the whole [T, F] activation per operation), with the
+# chunks shared among the threads. The operations and their order are the reference's, so the
+# result is the reference's to the last bit.
+
+CHUNK = 16384
+
+
+def _gelu_forward_chunk(x, y, approximate, t):
+    """x [n] -> y [n] (flat chunks); t [n] scratch."""
+    from ..functional import activations as act
+
+    if approximate == "tanh":
+        np.multiply(x, x, out=t)
+        t *= act._GELU_CUBIC
+        t += 1.0
+        t *= x
+        t *= act._SQRT_2_OVER_PI
+        np.tanh(t, out=t)                                    # t
+        t += 1.0
+        t *= x
+        np.multiply(t, 0.5, out=y)                           # 0.5 x (1 + t)
+    else:
+        from scipy.special import erf
+
+        np.multiply(x, act._INV_SQRT_2, out=t)
+        erf(t, out=t)
+        t += 1.0
+        t *= 0.5                                             # Phi(x)
+        np.multiply(t, x, out=y)
+
+
+def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
+    """dy, x [n] -> dx [n] (may be dy); t, u, w [n] scratch."""
+    from ..functional import activations as act
+
+    if approximate == "tanh":
+        np.multiply(x, x, out=t)
+        t *= act._GELU_CUBIC
+        t += 1.0
+        t *= x
+        t *= act._SQRT_2_OVER_PI
+        np.tanh(t, out=t)                                    # t
+        np.multiply(t, t, out=u)
+        u *= -1.0
+        u += 1.0
+        u *= x                                               # x (1 - t^2)
+        du = np.multiply(x, x, out=w)
+        du *= 3.0 * act._GELU_CUBIC
+        du += 1.0
+        du *= act._SQRT_2_OVER_PI                            # du/dx
+        u *= du
+        u *= 0.5
+        t += 1.0
+        t *= 0.5
+        u += t
+    else:
+        from scipy.special import erf
+
+        np.multiply(x, x, out=u)
+        u *= -0.5
+        np.exp(u, out=u)
+        u *= act._INV_SQRT_2PI
+        u *= x                                               # x phi(x)
+        np.multiply(x, act._INV_SQRT_2, out=t)
+        erf(t, out=t)
+        t += 1.0
+        t *= 0.5
+        u += t                                               # Phi(x) + x phi(x)
+    np.multiply(u, dy, out=dx)
+
+
+def _chunked(fn, n, threads, dtype, n_scratch, arrays, extra):
+    """fn(*[a[lo:hi] for a in arrays], *extra, *scratch) over chunks of CHUNK elements, the
+    chunks of each thread's contiguous share done in order on that thread."""
+    def share(lo, hi):
+        scratch = [np.empty(CHUNK, dtype=dtype) for _ in range(n_scratch)]
+        for c0 in range(lo, hi, CHUNK):
+            c1 = min(c0 + CHUNK, hi)
+            fn(*[a[c0:c1] for a in arrays], *extra, *[w[:c1 - c0] for w in scratch])
+
+    parts = max(1, min(threads, n // (4 * CHUNK)))
+    bounds = [(n * t) // parts for t in range(parts + 1)]
+    if parts == 1:
+        share(0, n)
+        return
+    pool = _thread_pool(parts)
+    futures = [pool.submit(share, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    share(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
 
 def gelu_forward(x, approximate):
     """x [...] -> y [...] (the reference's cache is (x, approximate))."""
     y = np.empty_like(x)
-    kernel = _k().gelu_tanh_forward if approximate == "tanh" else _k().gelu_exact_forward
-    kernel(x.reshape(-1), y.reshape(-1))
+    _chunked(_gelu_forward_chunk, x.size, _threads(), x.dtype, 1,
+             (x.reshape(-1), y.reshape(-1)), (approximate,))
     return y
 
 
 def gelu_backward(dy, x, approximate, out=None):
     """dy, x [...] -> dx [...] (out may be dy itself)."""
     dx = np.empty_like(x) if out is None else out
-    kernel = _k().gelu_tanh_backward if approximate == "tanh" else _k().gelu_exact_backward
-    kernel(dy.reshape(-1), x.reshape(-1), dx.reshape(-1))
+    _chunked(_gelu_backward_chunk, x.size, _threads(), x.dtype, 3,
+             (dy.reshape(-1), x.reshape(-1), dx.reshape(-1)), (approximate,))
     return dx
 
 
@@ -321,8 +421,20 @@ def _blas_libraries():
     return _blas
 
 
-def batched_matmul(a, b, out=None):
+def _thread_pool(threads: int):
+    """The process's worker threads (grown to `threads` - 1 workers on demand)."""
+    global _pool
+    if _pool is None or _pool._max_workers < threads - 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=max(1, threads - 1),
+                                   thread_name_prefix="tfcore-worker")
+    return _pool
+
+
+def batched_matmul(a, b, out=None, label="attention"):
     """a [B, H, m, k] @ b [B, H, k, n] -> out [B, H, m, n] (out may be a strided view)."""
+    record_matmul(label, a.shape, b.shape)
     if out is None:
         out = np.empty(a.shape[:-1] + b.shape[-1:], dtype=np.result_type(a, b))
     threads = _threads()
@@ -330,8 +442,9 @@ def batched_matmul(a, b, out=None):
     return _split_matmul(a, b, out, axis, threads)
 
 
-def matmul(a, b, out=None):
+def matmul(a, b, out=None, label="linear"):
     """a [m, k] @ b [k, n] -> out [m, n], the rows of a split over the threads."""
+    record_matmul(label, a.shape, b.shape)
     if out is None:
         out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
     return _split_matmul(a, b, out, 0, _threads())
@@ -340,16 +453,12 @@ def matmul(a, b, out=None):
 def _split_matmul(a, b, out, axis, threads):
     """np.matmul(a, b, out=out) with axis `axis` of a and out split into `threads` parts, each
     computed by one thread with a single-threaded BLAS (b is shared when it is 2-D)."""
-    global _pool
     libs = _blas_libraries()
     batched = a.ndim > 2
     if not libs or (not batched and (threads < 2 or a.shape[0] < 2 * threads)):
         return np.matmul(a, b, out=out)
     threads = max(1, min(threads, a.shape[axis]))
-    if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tfcore-matmul")
+    pool = _thread_pool(threads)
     size = a.shape[axis]
     bounds = [(size * t) // threads for t in range(threads + 1)]
     parts = [(slice(lo, hi),) if axis == 0 else (slice(None), slice(lo, hi))
@@ -360,7 +469,7 @@ def _split_matmul(a, b, out, axis, threads):
     for lib in libs:
         lib.set_num_threads(1)
     try:
-        futures = [_pool.submit(np.matmul, x, y, out=o) for x, y, o in pieces[1:]]
+        futures = [pool.submit(np.matmul, x, y, out=o) for x, y, o in pieces[1:]]
         np.matmul(*pieces[0][:2], out=pieces[0][2])
         for f in futures:
             f.result()

@@ -1,0 +1,193 @@
+"""The benchmark's load accounting and its command line (no timing is asserted).
+
+A window counts as clean when other processes used at most --max-load CPUs during it: the
+machine's busy time (/proc/stat) minus this process's own CPU time (getrusage). A busy child
+process is another process's work until it is waited for, so it must make a window dirty on
+any machine; the clean case is shown with made-up counters, since a shared test machine is
+never guaranteed quiet.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfcore import bench
+
+pytestmark = pytest.mark.skipif(bench.machine_busy_seconds() is None,
+                                reason="needs /proc/stat (Linux)")
+
+
+def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_busy_child_process_makes_the_window_dirty():
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)                                     # the child is running
+        window = bench.LoadMeter().measure(lambda: time.sleep(0.6))
+    finally:
+        child.kill()
+        child.wait()
+    # the child burnt about 0.6 CPU-seconds, far above 0.1 CPU plus the counters' resolution
+    assert window.others is not None and window.others > 0.3
+    assert not window.clean(0.1)
+
+
+def test_own_work_is_not_counted_as_others():
+    """Made-up machine counter that sees exactly this process: others = 0, clean."""
+    meter = bench.LoadMeter(machine=bench.own_cpu_seconds)
+    window = meter.measure(lambda: spin(0.2))
+    assert window.others < 0.01 and window.clean(0.0)   # read a moment apart
+
+
+def test_a_quiet_child_leaves_the_window_clean():
+    """A sleeping child uses no CPU: with a machine counter of this process and its waited
+    children only (what a quiet machine shows), the window stays clean."""
+    meter = bench.LoadMeter(machine=bench.own_cpu_seconds)
+
+    def step():
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.2)"], check=True)
+
+    window = meter.measure(step)
+    assert window.others < 0.01 and window.clean(0.1)
+
+
+def fake_meter(machine_use, own_use, wall=1.0):
+    """A meter whose counters advance by the given amounts over one measured call."""
+    state = {"m": 100.0, "o": 5.0, "t": 0.0}
+
+    def fn():
+        state["m"] += machine_use
+        state["o"] += own_use
+        state["t"] += wall
+
+    meter = bench.LoadMeter(machine=lambda: state["m"], own=lambda: state["o"],
+                            clock=lambda: state["t"], cpus=2, tick=0.01)
+    return meter.measure(fn)
+
+
+def test_the_threshold_and_the_counters_resolution():
+    # 2 CPUs, 10 ms ticks: 0.04 CPU-seconds of the difference are the counters' error
+    assert fake_meter(1.0 + 0.03, 1.0).clean(0.0)
+    assert fake_meter(1.0 + 0.13, 1.0).clean(0.1)
+    assert not fake_meter(1.0 + 0.2, 1.0).clean(0.1)
+    assert fake_meter(0.5, 2.0).others == 0.0               # never negative
+    unknown = bench.Window(1.0, None, 1.0, 0.04)
+    assert unknown.others is None and not unknown.clean(10.0)
+
+
+def test_dirty_windows_are_dropped_and_too_few_clean_ones_give_no_ratio():
+    """Steps that alternate; a made-up meter calls every window of the second step dirty."""
+    calls = []
+
+    class Meter:
+        def measure(self, fn):
+            fn()
+            dirty = calls[-1] == "b"
+            return bench.Window(1.0, 1.0 + (0.5 if dirty else 0.0), 1.0, 0.0)
+
+    sides = bench._timed_rounds([lambda: calls.append("a"), lambda: calls.append("b")],
+                                Meter(), repeats=3, max_load=0.1, per_window=1, max_rounds=5)
+    # after 3 rounds the second step can no longer reach 3 clean windows in the 2 left
+    assert len(sides[0].times) == 3 and sides[0].dropped == 0
+    assert len(sides[1].times) == 0 and sides[1].dropped == 3
+    assert calls[:4] == ["a", "b", "b", "a"]                # the order flips every round
+
+
+def test_a_saved_table_prints_and_says_why_a_ratio_is_missing(tmp_path):
+    side = dict(ms=None, clean=1, dropped=6, rss_bytes=None, load_max=0.05, pct_peak=None)
+    results = dict(meta=dict(command="python -m tfcore.bench", date="d", cpu="c", cpus=2,
+                             numpy="2", torch="2.13.0", kernels="on", max_load=0.1,
+                             torch_attention="sdpa", peaks={"float32 1thr": 100.0}),
+                   rows=[dict(threads=1, config="tiny", dtype="float32", tfcore=side,
+                              torch=side, ratio=None)])
+    text = bench.format_table(results)
+    assert "no ratio" in text and "1 thr tiny float32" in " ".join(text.split())
+    assert max(len(line) for line in text.splitlines()) <= 88
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    out = subprocess.run([sys.executable, "-m", "tfcore.bench", "--show", str(path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--configs", "huge"], "invalid choice"),
+    (["--dtypes", "float16"], "invalid choice"),
+    (["--threads", "0"], "--threads must be > 0"),
+    (["--threads", "two"], "--threads must be an integer"),
+    (["--repeats", "-1"], "--repeats must be > 0"),
+    (["--max-load", "-0.5"], "--max-load must be >= 0"),
+    (["--min-window", "x"], "--min-window must be a number"),
+    (["--torch-attention", "flash"], "invalid choice"),
+    (["--json", "/no/such/folder/r.json"], "does not exist"),
+    (["--show", "/no/such/file.json"], "not a saved benchmark table"),
+    (["--profile", "--json", "r.json"], "--profile"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_every_bad_argument_is_one_error_line_and_status_2(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_counted_matmuls_of_a_step(fast):
+    """Counted as they run, on the kernel path and on the reference path alike: the
+    matmul FLOPs equal 6 N_mm T + 12 L S^2 D B, and the backward makes twice the forward's."""
+    import numpy as np
+
+    from tfcore import kernels
+    from tfcore.models import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=11, max_seq_len=8, d_model=8, n_layers=2, n_heads=2,
+                        dtype="float64")
+    model = DecoderLM(cfg).init(seed=0)
+    ids = np.arange(12).reshape(2, 6) % 11
+    with (kernels.disabled() if not fast else _nothing()):
+        count = bench.count_step_flops(model, ids, ids)
+    assert count.flops == bench.step_flops(cfg, 2, 6) > 0
+    assert count.total("backward") == 2 * count.total("forward")
+    for label in ("linear", "attention"):
+        assert count.total("backward", label) == 2 * count.total("forward", label) > 0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_tiled_attention_opt_in_gives_the_dense_gradients():
+    """`--tfcore-attention tiled` swaps the decoder's attention for the tiled kernel: the same
+    loss and parameter gradients in float64 (1e-12), and the dense attention back after."""
+    import numpy as np
+
+    from tfcore.models import DecoderConfig, DecoderLM, blocks
+
+    cfg = DecoderConfig(vocab_size=13, max_seq_len=70, d_model=16, n_layers=2, n_heads=2,
+                        dtype="float64")
+    ids = np.random.default_rng(0).integers(0, 13, size=(2, 70))
+    grads, losses = [], []
+    before = blocks.attention_forward
+    for tiled in (False, True):
+        model = DecoderLM(cfg).init(seed=0)
+        with (bench.tiled_attention_in_decoder() if tiled else _nothing()):
+            _, loss = model.forward(ids, ids, training=True)
+            model.backward()
+        losses.append(float(loss))
+        grads.append(np.array(model.params.grad))
+    assert blocks.attention_forward is before
+    assert abs(losses[1] - losses[0]) <= 1e-12 * abs(losses[0])
+    assert np.linalg.norm(grads[1] - grads[0]) <= 1e-12 * np.linalg.norm(grads[0])
