@@ -144,15 +144,16 @@ def _gelu_forward_chunk(x, y, approximate, t):
     from ..functional import activations as act
 
     if approximate == "tanh":
-        np.multiply(x, x, out=t)
-        t *= act._GELU_CUBIC
-        t += 1.0
-        t *= x
-        t *= act._SQRT_2_OVER_PI
+        with np.errstate(over="ignore"):   # tanh(+-inf) = +-1 for |x| past ~1e19 (float32)
+            np.multiply(x, x, out=t)
+            t *= act._GELU_CUBIC
+            t += 1.0
+            t *= x
+            t *= act._SQRT_2_OVER_PI
         np.tanh(t, out=t)                                    # t
         t += 1.0
-        t *= x
-        np.multiply(t, 0.5, out=y)                           # 0.5 x (1 + t)
+        t *= 0.5                             # exact, and (1 + t) x would overflow near max
+        np.multiply(t, x, out=y)                             # 0.5 (1 + t) x
     else:
         from scipy.special import erf
 
@@ -168,20 +169,22 @@ def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
     from ..functional import activations as act
 
     if approximate == "tanh":
-        np.multiply(x, x, out=t)
-        t *= act._GELU_CUBIC
-        t += 1.0
-        t *= x
-        t *= act._SQRT_2_OVER_PI
+        with np.errstate(over="ignore"):   # as in the forward
+            np.multiply(x, x, out=t)
+            t *= act._GELU_CUBIC
+            t += 1.0
+            t *= x
+            t *= act._SQRT_2_OVER_PI
         np.tanh(t, out=t)                                    # t
+        du = np.clip(x, -act._GELU_CLIP, act._GELU_CLIP, out=w)  # 1 - t^2 = 0 past the clip
+        du *= du
+        du *= 3.0 * act._GELU_CUBIC
+        du += 1.0
+        du *= act._SQRT_2_OVER_PI                            # du/dx
         np.multiply(t, t, out=u)
         u *= -1.0
         u += 1.0
         u *= x                                               # x (1 - t^2)
-        du = np.multiply(x, x, out=w)
-        du *= 3.0 * act._GELU_CUBIC
-        du += 1.0
-        du *= act._SQRT_2_OVER_PI                            # du/dx
         u *= du
         u *= 0.5
         t += 1.0
@@ -190,7 +193,8 @@ def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
     else:
         from scipy.special import erf
 
-        np.multiply(x, x, out=u)
+        with np.errstate(over="ignore"):   # x^2 = inf for huge |x|: exp(-inf) = 0, as it should
+            np.multiply(x, x, out=u)
         u *= -0.5
         np.exp(u, out=u)
         u *= act._INV_SQRT_2PI
