@@ -35,9 +35,11 @@ from ..functional.attention import (
     split_heads,
 )
 from ..functional.rope import rope_backward, rope_forward
+from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 
 MLPS = ("gelu", "relu", "swiglu")
 PLACEMENTS = ("pre", "post")
+ATTENTIONS = ("dense", "tiled")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class BlockSpec:
     causal: bool = True
     gelu_approximate: str = "tanh"
     residual: bool = True            # False drops both skips (an experiment, not a model)
+    attention: str = "dense"         # "dense" (chapter 6) | "tiled" (chapter 15)
+    attention_block_size: int = 64   # the tile's side when attention == "tiled"
 
 
 def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
@@ -109,8 +113,13 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         k_cache[:, :, pos:end, :] = k
         v_cache[:, :, pos:end, :] = v
         k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H, S_k, D_h]
-    a, c_att = attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
-                                 rng=rng, training=training)            # [B, H, S, D_h]
+    if spec.attention == "tiled":
+        a, c_att = tiled_attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
+                                           rng=rng, training=training,
+                                           block_size=spec.attention_block_size)
+    else:
+        a, c_att = attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
+                                     rng=rng, training=training)        # [B, H, S, D_h]
     merged = merge_heads(a)                                             # [B, S, D]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
@@ -123,7 +132,8 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
     dout = F.dropout_backward(dout, c_drop)                             # [B, S, D]
     dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
-    dq, dk, dv = attention_backward(da, c_att)                          # [B, H, S, D_h] each
+    backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
+    dq, dk, dv = backward(da, c_att)                                    # [B, H, S, D_h] each
     if c_rope_q is not None:
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)

@@ -28,7 +28,7 @@ from .. import functional as F
 from .. import nn
 from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
-from .blocks import MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
+from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 IGNORE_INDEX = -100
@@ -69,6 +69,8 @@ class DecoderConfig:
     rope_base: float = 10000.0
     gelu_approximate: str = "tanh"
     init_std: float = 0.02
+    attention: str = "dense"         # "tiled": the online-softmax op of chapter 15
+    attention_block_size: int = 64
 
     def __post_init__(self):
         if self.d_ff is None and isinstance(self.d_model, int):
@@ -93,7 +95,8 @@ class DecoderConfig:
 
     def validate(self) -> "DecoderConfig":
         """Raise ValueError naming the first inconsistent setting; return self when all is well."""
-        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff",
+                     "attention_block_size"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -103,7 +106,7 @@ class DecoderConfig:
                 "each head takes d_model / n_heads columns")
         choices = dict(norm=("layernorm", "rmsnorm"), norm_placement=PLACEMENTS,
                        position=POSITIONS, mlp=MLPS, dtype=FLOAT_DTYPES,
-                       gelu_approximate=F.GELU_APPROXIMATIONS)
+                       gelu_approximate=F.GELU_APPROXIMATIONS, attention=ATTENTIONS)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -125,7 +128,8 @@ class DecoderConfig:
         return BlockSpec(d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
                          norm=self.norm, placement=self.norm_placement, mlp=self.mlp,
                          bias=self.bias, dropout=self.dropout, eps=self.eps, causal=True,
-                         gelu_approximate=self.gelu_approximate)
+                         gelu_approximate=self.gelu_approximate, attention=self.attention,
+                         attention_block_size=self.attention_block_size)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: shape} of every parameter, in buffer order (no arrays are allocated)."""

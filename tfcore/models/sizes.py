@@ -69,8 +69,12 @@ def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool) 
     return norms + attention + mlp_params
 
 
-def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype):
+def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype,
+                           attention="dense"):
     """Bytes one block's caches keep after a training forward (see the module docstring).
+
+    attention="tiled" keeps the output [B, H, S, D_h] and the log-sum-exp [B, H, S] in place
+    of the probabilities [B, H, S, S] and their keep-mask (chapter 15).
 
     floats: xhat of both norms and their 1/std, the attention input, the fused qkv output
     [N, 3D], rotated q and k (rotary: new arrays, v stays a view of qkv), the probabilities
@@ -81,8 +85,12 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     N, D, F_ = batch * seq, d_model, d_ff
     scores = batch * n_heads * seq * seq
     hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
-    floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores + hidden
-    bools = (scores + 2 * N * D if dropout else 0) + (N * F_ if mlp == "relu" else 0)
+    if attention == "tiled":
+        scores_kept, scores_masks = N * D + batch * n_heads * seq, 0
+    else:
+        scores_kept, scores_masks = scores, scores
+    floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores_kept + hidden
+    bools = (scores_masks + 2 * N * D if dropout else 0) + (N * F_ if mlp == "relu" else 0)
     return floats * _itemsize(dtype) + bools * BOOL_BYTES
 
 
@@ -102,7 +110,8 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     n_params += (0 if c.tied_head else D * V) + (V if c.head_bias else 0)
     dropout = training and c.dropout > 0
     per_block = block_activation_bytes(batch, seq, D, c.n_heads, c.d_ff, c.mlp,
-                                       c.position == "rotary", dropout, c.dtype)
+                                       c.position == "rotary", dropout, c.dtype,
+                                       getattr(c, "attention", "dense"))
     # the head's input (pre-norm: also lnf's xhat and 1/std); the embedding's dropout mask
     final = (2 * N * D + N if c.norm_placement == "pre" else N * D) * f
     final += N * D * BOOL_BYTES if dropout else 0
