@@ -376,6 +376,30 @@ def _attention():
                 backward=getattr(F, "attention_backward", None))
 
 
+@spec("tiled_attention_forward")
+def _tiled_attention():
+    def inputs(rng):
+        q = _heads(rng)
+        k = rng.standard_normal(q.shape[:2] + (q.shape[2] + 2, q.shape[3]))
+        return dict(q=q, k=k, v=rng.standard_normal(k.shape), causal=True, dropout_p=0.0,
+                    training=True, block_size=2, scale=0.5)
+
+    def reference(i):
+        q, k = i["q"], i["k"]
+        s_q, s_k = q.shape[2], k.shape[2]
+        hidden = np.arange(s_k)[None, :] > np.arange(s_q)[:, None] + (s_k - s_q)
+        scores = q @ np.swapaxes(k, -1, -2) * 0.5 + np.where(hidden, -np.inf, 0.0)
+        return _softmax(scores) @ i["v"]
+
+    return Spec(inputs, reference, floats=("q", "k", "v"),
+                settings=dict(causal=[1, "yes", None],
+                              dropout_p=[-0.1, 1.0, math.nan, "0.1", True, None],
+                              training=["yes", None],
+                              block_size=[0, -1, 2.5, True, "4", None],
+                              scale=[0.0, -1.0, math.inf, math.nan, "1", True]),
+                backward=getattr(F, "tiled_attention_backward", None))
+
+
 def _rope_angles(length, head_dim, base=10000.0, offset=0):
     inverse_wavelength = base ** (-2 * np.arange(head_dim // 2) / head_dim)
     return (offset + np.arange(length))[:, None] * inverse_wavelength

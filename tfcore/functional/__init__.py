@@ -91,6 +91,10 @@ from .attention import (  # noqa: F401
     qkv_split,
     qkv_merge_grads,
 )
+from .tiled_attention import (  # noqa: F401
+    tiled_attention_forward,
+    tiled_attention_backward,
+)
 from .rope import (  # noqa: F401
     rope_tables,
     rope_forward,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .. import functional as F
 from .. import nn
+from ..backend import namespace
 from ..functional.activations import swiglu_backward, swiglu_forward
 from ..functional.attention import (
     attention_backward,
@@ -35,9 +36,11 @@ from ..functional.attention import (
     split_heads,
 )
 from ..functional.rope import rope_backward, rope_forward
+from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 
 MLPS = ("gelu", "relu", "swiglu")
 PLACEMENTS = ("pre", "post")
+ATTENTIONS = ("dense", "tiled")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class BlockSpec:
     causal: bool = True
     gelu_approximate: str = "tanh"
     residual: bool = True            # False drops both skips (an experiment, not a model)
+    attention: str = "dense"         # "dense" (chapter 6) | "tiled" (chapter 15)
+    attention_block_size: int = 64   # the tile's side when attention == "tiled"
+    n_kv_heads: int | None = None    # key/value heads (GQA, chapter 16); None: n_heads
 
 
 def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
@@ -74,7 +80,8 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
             shapes[f"{prefix}.{name}.b"] = (d_out,)
 
     norm("ln1")
-    linear("attn.qkv", D, 3 * D)
+    kv_width = D // spec.n_heads * (spec.n_kv_heads or spec.n_heads)    # n_kv_heads * D_h
+    linear("attn.qkv", D, D + 2 * kv_width)
     linear("attn.proj", D, D)
     norm("ln2")
     linear("mlp.fc", D, F_)
@@ -82,6 +89,38 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
         linear("mlp.gate", D, F_)
     linear("mlp.proj", F_, D)
     return shapes
+
+
+# ---------------------------------------------------------------------------------------
+# Grouped-query attention: query head h reads key/value head h // (H / H_kv)
+
+
+def repeat_kv_heads(x, groups: int):
+    """[B, H_kv, S, D_h] -> [B, H_kv * groups, S, D_h]: kv head g serves query heads
+    g * groups .. (g + 1) * groups - 1. A new array (the standard's repeat), whatever H_kv."""
+    if groups == 1:
+        return x
+    return namespace(x).repeat(x, groups, axis=1)
+
+
+def sum_kv_groups(dx, groups: int):
+    """The backward of repeat_kv_heads: [B, H, S, D_h] -> [B, H / groups, S, D_h], the sum of
+    the gradients of the query heads that share a key/value head."""
+    if groups == 1:
+        return dx
+    xp = namespace(dx)
+    batch, heads, seq, d_h = dx.shape
+    return xp.sum(xp.reshape(dx, (batch, heads // groups, groups, seq, d_h)), axis=2)
+
+
+def _split_gqa(qkv, spec):
+    """qkv [B, S, D + 2 H_kv D_h] -> q [B, H, S, D_h], k, v [B, H_kv, S, D_h] (views)."""
+    d_model = spec.d_model
+    kv_width = d_model // spec.n_heads * spec.n_kv_heads
+    q = split_heads(qkv[:, :, :d_model], spec.n_heads)
+    k = split_heads(qkv[:, :, d_model:d_model + kv_width], spec.n_kv_heads)
+    v = split_heads(qkv[:, :, d_model + kv_width:], spec.n_kv_heads)
+    return q, k, v
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,7 +137,11 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
     positions pos..pos+S-1 and attend over positions 0..pos+S-1 (generation); None otherwise.
     """
     qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, 3D]
-    q, k, v = qkv_split(qkv, spec.n_heads)                              # [B, H, S, D_h] each
+    groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
+    if groups == 1:
+        q, k, v = qkv_split(qkv, spec.n_heads)                          # [B, H, S, D_h] each
+    else:
+        q, k, v = _split_gqa(qkv, spec)                                 # k, v [B, H_kv, S, D_h]
     c_rope_q = c_rope_k = None
     if rope is not None:
         q, c_rope_q = rope_forward(q, *rope)                            # [B, H, S, D_h]
@@ -109,8 +152,14 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         k_cache[:, :, pos:end, :] = k
         v_cache[:, :, pos:end, :] = v
         k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H, S_k, D_h]
-    a, c_att = attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
-                                 rng=rng, training=training)            # [B, H, S, D_h]
+    k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)       # [B, H, S_k, D_h]
+    if spec.attention == "tiled":
+        a, c_att = tiled_attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
+                                           rng=rng, training=training,
+                                           block_size=spec.attention_block_size)
+    else:
+        a, c_att = attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
+                                     rng=rng, training=training)        # [B, H, S, D_h]
     merged = merge_heads(a)                                             # [B, S, D]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
@@ -123,11 +172,18 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
     dout = F.dropout_backward(dout, c_drop)                             # [B, S, D]
     dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
-    dq, dk, dv = attention_backward(da, c_att)                          # [B, H, S, D_h] each
+    backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
+    dq, dk, dv = backward(da, c_att)                                    # [B, H, S, D_h] each
+    groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
+    dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)       # [B, H_kv, S, D_h]
     if c_rope_q is not None:
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)
-    dqkv = qkv_merge_grads(dq, dk, dv)                                  # [B, S, 3D]
+    if groups == 1:
+        dqkv = qkv_merge_grads(dq, dk, dv)                              # [B, S, 3D]
+    else:                                                               # [B, S, D + 2 H_kv D_h]
+        dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
+                                    axis=-1)
     return nn.linear_backward(params, prefix + ".qkv", dqkv, c_qkv)     # [B, S, D]
 
 

@@ -28,7 +28,7 @@ from .. import functional as F
 from .. import nn
 from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
-from .blocks import MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
+from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 IGNORE_INDEX = -100
@@ -69,12 +69,17 @@ class DecoderConfig:
     rope_base: float = 10000.0
     gelu_approximate: str = "tanh"
     init_std: float = 0.02
+    attention: str = "dense"         # "tiled": the online-softmax op of chapter 15
+    attention_block_size: int = 64
+    n_kv_heads: int | None = None    # key/value heads (grouped-query attention); None: n_heads
 
     def __post_init__(self):
         if self.d_ff is None and isinstance(self.d_model, int):
             self.d_ff = swiglu_width(self.d_model) if self.mlp == "swiglu" else 4 * self.d_model
         if self.head_bias is None:
             self.head_bias = bool(self.bias and not self.tied_head)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
 
     @classmethod
     def llama(cls, vocab_size: int, max_seq_len: int, d_model: int, n_layers: int, n_heads: int,
@@ -93,7 +98,8 @@ class DecoderConfig:
 
     def validate(self) -> "DecoderConfig":
         """Raise ValueError naming the first inconsistent setting; return self when all is well."""
-        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff",
+                     "attention_block_size", "n_kv_heads"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -101,9 +107,14 @@ class DecoderConfig:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): "
                 "each head takes d_model / n_heads columns")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                f"({self.n_kv_heads}): each key/value head serves n_heads / n_kv_heads "
+                "query heads")
         choices = dict(norm=("layernorm", "rmsnorm"), norm_placement=PLACEMENTS,
                        position=POSITIONS, mlp=MLPS, dtype=FLOAT_DTYPES,
-                       gelu_approximate=F.GELU_APPROXIMATIONS)
+                       gelu_approximate=F.GELU_APPROXIMATIONS, attention=ATTENTIONS)
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -125,7 +136,9 @@ class DecoderConfig:
         return BlockSpec(d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
                          norm=self.norm, placement=self.norm_placement, mlp=self.mlp,
                          bias=self.bias, dropout=self.dropout, eps=self.eps, causal=True,
-                         gelu_approximate=self.gelu_approximate)
+                         gelu_approximate=self.gelu_approximate, attention=self.attention,
+                         attention_block_size=self.attention_block_size,
+                         n_kv_heads=self.n_kv_heads)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: shape} of every parameter, in buffer order (no arrays are allocated)."""
@@ -161,13 +174,13 @@ class DecoderConfig:
 class KVCache:
     """Keys and values of every layer for positions 0..length-1, for generation.
 
-    k[i], v[i]: [B, H, S_max, D_h] each (rotary already applied to the keys); `length` is the
+    k[i], v[i]: [B, H_kv, S_max, D_h] each (rotary already applied to the keys); `length` is the
     number of positions filled. Allocated once; each step writes one more position.
     """
 
     def __init__(self, config: DecoderConfig, batch: int):
         xp = backend.xp()
-        shape = (batch, config.n_heads, config.max_seq_len, config.head_dim)
+        shape = (batch, config.n_kv_heads, config.max_seq_len, config.head_dim)
         dt = getattr(xp, config.dtype)
         self.k = [xp.zeros(shape, dtype=dt) for _ in range(config.n_layers)]
         self.v = [xp.zeros(shape, dtype=dt) for _ in range(config.n_layers)]

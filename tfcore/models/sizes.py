@@ -59,18 +59,29 @@ def count_parameters(shapes: dict) -> int:
 # The decoder LM (and the block shared with the autoencoder)
 
 
-def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool) -> int:
-    """Parameters of one block: two norms, fused qkv, the output projection, the MLP."""
+def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool,
+                      kv_width: int | None = None) -> int:
+    """Parameters of one block: two norms, fused qkv, the output projection, the MLP.
+
+    kv_width = n_kv_heads * D_h, the width of K and of V (grouped-query attention);
+    None means d_model.
+    """
     D, F_ = d_model, d_ff
+    kv = D if kv_width is None else kv_width
     norms = 2 * (2 * D if norm == "layernorm" else D)
-    attention = 3 * D * D + D * D + (3 * D + D if bias else 0)
+    attention = (D + 2 * kv) * D + D * D + (D + 2 * kv + D if bias else 0)
     matrices = 3 if mlp == "swiglu" else 2                  # (gate,) fc, proj
     mlp_params = matrices * D * F_ + ((matrices - 1) * F_ + D if bias else 0)
     return norms + attention + mlp_params
 
 
-def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype):
+def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype,
+                           attention="dense", n_kv_heads=None):
     """Bytes one block's caches keep after a training forward (see the module docstring).
+
+    attention="tiled" keeps the output [B, H, S, D_h] and the log-sum-exp [B, H, S] in place
+    of the probabilities [B, H, S, S] and their keep-mask (chapter 15).
+    n_kv_heads < n_heads (chapter 16): attention keeps the repeated k and v, [N, D] each.
 
     floats: xhat of both norms and their 1/std, the attention input, the fused qkv output
     [N, 3D], rotated q and k (rotary: new arrays, v stays a view of qkv), the probabilities
@@ -81,8 +92,17 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     N, D, F_ = batch * seq, d_model, d_ff
     scores = batch * n_heads * seq * seq
     hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
-    floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores + hidden
-    bools = (scores + 2 * N * D if dropout else 0) + (N * F_ if mlp == "relu" else 0)
+    if attention == "tiled":
+        scores_kept, scores_masks = N * D + batch * n_heads * seq, 0
+    else:
+        scores_kept, scores_masks = scores, scores
+    floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores_kept + hidden
+    if n_kv_heads is not None and n_kv_heads != n_heads:
+        # without rotary, q is a view of the fused output [N, D + 2 H_kv D_h] (in place of
+        # [N, 3D]) and the repeated k, v add [N, D] each; with rotary, q is a rotated copy and
+        # k, v repeated copies, so neither the fused output nor the rotated k stays alive
+        floats += -2 * N * D if rotary else 2 * N * (D // n_heads * n_kv_heads)
+    bools = (scores_masks + 2 * N * D if dropout else 0) + (N * F_ if mlp == "relu" else 0)
     return floats * _itemsize(dtype) + bools * BOOL_BYTES
 
 
@@ -96,19 +116,22 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     D, V, N = c.d_model, c.vocab_size, batch * seq
     f = _itemsize(c.dtype)
     n_params = V * D + (c.max_seq_len * D if c.position == "learned" else 0)
-    n_params += c.n_layers * block_param_count(D, c.d_ff, c.norm, c.mlp, c.bias)
+    kv_width = D // c.n_heads * getattr(c, "n_kv_heads", c.n_heads)      # H_kv D_h
+    n_params += c.n_layers * block_param_count(D, c.d_ff, c.norm, c.mlp, c.bias, kv_width)
     if c.norm_placement == "pre":
         n_params += 2 * D if c.norm == "layernorm" else D
     n_params += (0 if c.tied_head else D * V) + (V if c.head_bias else 0)
     dropout = training and c.dropout > 0
     per_block = block_activation_bytes(batch, seq, D, c.n_heads, c.d_ff, c.mlp,
-                                       c.position == "rotary", dropout, c.dtype)
+                                       c.position == "rotary", dropout, c.dtype,
+                                       getattr(c, "attention", "dense"),
+                                       getattr(c, "n_kv_heads", None))
     # the head's input (pre-norm: also lnf's xhat and 1/std); the embedding's dropout mask
     final = (2 * N * D + N if c.norm_placement == "pre" else N * D) * f
     final += N * D * BOOL_BYTES if dropout else 0
     loss = (N * V * f + N * INT64_BYTES + N * BOOL_BYTES) if targets else 0
     activations = c.n_layers * per_block + final + loss
-    kv = 2 * c.n_layers * batch * c.max_seq_len * D * f
+    kv = 2 * c.n_layers * batch * c.max_seq_len * kv_width * f
     return _table(n_params, c.dtype, activations, activation_bytes_per_layer=per_block,
                   logits_bytes=N * V * f, kv_cache_bytes=kv)
 

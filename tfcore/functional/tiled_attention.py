@@ -1,0 +1,242 @@
+"""Tiled attention with an online softmax (chapter 15): a forward/backward pair.
+
+The same function as attention_forward (chapter 6), computed one [block, block] tile of the
+score matrix at a time, so that no [B, H, S_q, S_k] array is ever held:
+
+* the forward keeps, per query row, a running maximum m, a running sum l of exp(z - m) and
+  the running weighted values acc = sum_j exp(z_j - m) v_j, rescaling the old ones by
+  exp(m_old - m_new) whenever a tile raises the maximum; at the end out = acc / l and the
+  row's log-sum-exp lse = m + log l is the only statistic kept for the backward;
+* the backward rebuilds each tile's probabilities as P = exp(z - lse) and uses
+  D = rowsum(dout * out) in place of rowsum(dP * P) (the two are equal: chapter 15).
+
+With causal=True the tiles that lie entirely above the (offset) diagonal are never
+computed, in either pass. Dropout draws one seed from `rng` and makes each tile's keep-mask
+a pure function of (seed, b, h, i, j) (a counter-based hash), so the backward recomputes
+the same mask tile by tile and the mask does not depend on the block size.
+
+Shape letters: B batch, H heads, S_q queries, S_k keys (S_k >= S_q with causal, the
+queries being the last S_q positions), D_h the width of a head, D_v the width of a value.
+"""
+from __future__ import annotations
+
+import math
+
+from .. import backend, checks
+from .attention import _causal_table, _first_masked_row, _float_table
+from .softmax import _check_mask
+
+# splitmix64's constants: the golden-ratio increment and the two finalizer multipliers
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def attention_tiles(s_q: int, s_k: int, block_size: int, causal: bool):
+    """The tiles both passes compute: a list of (i0, i1, j0, j1, diagonal), row-major.
+
+    Query rows i0..i1-1 against keys j0..j1-1 (the last tiles may be smaller than
+    block_size). With causal=True, query i sees key j <= i + (S_k - S_q): a tile whose first
+    key lies beyond what its last query sees is skipped, and `diagonal` says whether the
+    tile straddles the boundary (and so needs the causal table).
+    """
+    offset = s_k - s_q
+    tiles = []
+    for i0 in range(0, s_q, block_size):
+        i1 = min(i0 + block_size, s_q)
+        for j0 in range(0, s_k, block_size):
+            j1 = min(j0 + block_size, s_k)
+            if causal and j0 > i1 - 1 + offset:
+                continue                      # every entry above the diagonal: skipped
+            diagonal = causal and j1 - 1 > i0 + offset
+            tiles.append((i0, i1, j0, j1, diagonal))
+    return tiles
+
+
+def dropout_keep(seed: int, shape: tuple, rows: tuple, cols: tuple, p: float, like):
+    """The keep-mask of one tile: bool [B, H, i1 - i0, j1 - j0], True where kept.
+
+    Entry (b, h, i, j) of the full [B, H, S_q, S_k] = `shape` mask is kept when
+    u = splitmix64(seed + (n + 1) * golden) / 2^64 >= p, n = ((b H + h) S_q + i) S_k + j
+    its row-major index (uint64 arithmetic, wrapping). So the mask is the same whichever
+    tiles it is computed in, and on every array library.
+    """
+    xp = backend.namespace(like)
+    u64 = xp.uint64
+    batch, heads, s_q, s_k = shape
+    (i0, i1), (j0, j1) = rows, cols
+    b = xp.reshape(xp.arange(batch, dtype=u64), (batch, 1, 1, 1))
+    h = xp.reshape(xp.arange(heads, dtype=u64), (1, heads, 1, 1))
+    i = xp.reshape(xp.arange(i0, i1, dtype=u64), (1, 1, i1 - i0, 1))
+    j = xp.reshape(xp.arange(j0, j1, dtype=u64), (1, 1, 1, j1 - j0))
+    n = ((b * heads + h) * s_q + i) * s_k + j                       # [B, H, bq, bk]
+    z = xp.asarray(seed, dtype=u64) + (n + 1) * xp.asarray(_GOLDEN, dtype=u64)
+    z = (z ^ (z >> 30)) * xp.asarray(_MIX1, dtype=u64)
+    z = (z ^ (z >> 27)) * xp.asarray(_MIX2, dtype=u64)
+    z = z ^ (z >> 31)
+    u = xp.astype(z >> 11, xp.float64) * (2.0 ** -53)               # uniform in [0, 1)
+    return u >= p
+
+
+def _draw_seed(rng, like) -> int:
+    """One 53-bit seed from `rng` (validated as dropout_forward validates it)."""
+    if rng is None:
+        raise ValueError("dropout in training needs an rng: pass tfcore.backend.default_rng(seed)")
+    if not callable(getattr(rng, "random", None)):
+        raise TypeError(
+            f"rng must be a generator from tfcore.backend.default_rng(seed), got "
+            f"{type(rng).__name__} {rng!r} (a seed would repeat one mask at every call)"
+        )
+    draw = backend.to_numpy(backend.uniform(rng, (1,), like=like))
+    return int(float(draw[0]) * 2.0 ** 53)
+
+
+def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, dropout_p=0.0,
+                            rng=None, training=True, *, block_size=64, scale=None):
+    """out = dropout(A) @ v with A = softmax(scale q k^T + M), one tile at a time.
+
+    q [B, H, S_q, D_h], k [B, H, S_k, D_h], v [B, H, S_k, D_v]; the masks as
+    attention_forward takes them (mask additive, broadcastable to [B, H, S_q, S_k];
+    key_padding bool [B, S_k], True = padded; causal with the KV offset S_k - S_q).
+    block_size  the tile's side (an integer >= 1; any S, a multiple of it or not)
+    scale       the scores' factor, 1 / sqrt(D_h) when None (a positive finite number)
+    dropout_p   inverted dropout on A with the counter-based mask of `dropout_keep`, seeded
+                by one draw from `rng`; the identity when training=False or dropout_p == 0
+    ->  out [B, H, S_q, D_v]
+
+    The cache is exactly (q, k, v, out, lse, settings): lse [B, H, S_q] is the row
+    log-sum-exp of the masked, scaled scores and settings a dict (causal, scale,
+    block_size, mask, key_padding, dropout_p, seed; seed None without dropout). Nothing of
+    size S_q * S_k is kept. A query whose keys are all masked raises ValueError.
+    """
+    xp = checks.float_inputs(q=q, k=k, v=v)
+    causal = checks.boolean("causal", causal)
+    dropout_p = checks.probability("dropout_p", dropout_p)
+    training = checks.boolean("training", training)
+    block_size = checks.integer("block_size", block_size, least=1)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.ndim(name, x, 4)
+    batch, heads, s_q, d_h = q.shape
+    s_k = k.shape[2]
+    checks.shape("k", k, (batch, heads, None, d_h))
+    checks.shape("v", v, (batch, heads, s_k, None))
+    checks.width("q", q, "D_h")
+    d_v = checks.width("v", v, "D_v")
+    scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
+    dtype = q.dtype
+    full = (batch, heads, s_q, s_k)
+    if causal and s_q > s_k:
+        raise ValueError(
+            f"causal attention needs S_k >= S_q (the queries are the last S_q of the "
+            f"keys' positions), got S_q={s_q}, S_k={s_k}"
+        )
+    padding = None
+    if key_padding is not None:
+        checks.array("key_padding", key_padding)
+        checks.same_library(q=q, key_padding=key_padding)
+        if not xp.isdtype(key_padding.dtype, "bool"):
+            raise TypeError(
+                f"key_padding must be a bool array (True = padded key), "
+                f"got {checks.dtype_name(key_padding)}"
+            )
+        checks.shape("key_padding", key_padding, (batch, s_k))
+        padding = xp.reshape(_float_table(xp, key_padding, dtype), (batch, 1, 1, s_k))
+    if mask is not None:
+        _check_mask(mask, xp.broadcast_to(xp.zeros((1, 1, 1, 1), dtype=dtype), full))
+        mask = xp.broadcast_to(mask, full)                          # a view, never a copy
+    seed = None
+    if training and dropout_p > 0.0:
+        seed = _draw_seed(rng, q)
+    settings = dict(causal=causal, scale=scale, block_size=block_size, mask=mask,
+                    key_padding=padding, dropout_p=dropout_p if seed is not None else 0.0,
+                    seed=seed)
+
+    m = xp.full((batch, heads, s_q, 1), -math.inf, dtype=dtype)     # running row max
+    l = xp.zeros((batch, heads, s_q, 1), dtype=dtype)               # running sum exp(z - m)
+    acc = xp.zeros((batch, heads, s_q, d_v), dtype=dtype)           # running sum exp(z - m) v
+    for i0, i1, j0, j1, diagonal in attention_tiles(s_q, s_k, block_size, causal):
+        z = _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal)  # [B, H, bq, bk]
+        m_old = m[:, :, i0:i1, :]
+        m_new = xp.maximum(m_old, xp.max(z, axis=-1, keepdims=True))
+        # a row with no key seen yet has m_new = -inf: shift by 0 so exp gives 0, not nan
+        shift = xp.where(m_new == -math.inf, xp.zeros_like(m_new), m_new)
+        p = xp.exp(z - shift)                                       # [B, H, bq, bk]
+        rescale = xp.exp(m_old - shift)                             # [B, H, bq, 1]
+        l[:, :, i0:i1, :] = rescale * l[:, :, i0:i1, :] + xp.sum(p, axis=-1, keepdims=True)
+        if seed is not None:
+            p = p * _dropout_factor(xp, settings, full, i0, i1, j0, j1, dtype, q)
+        acc[:, :, i0:i1, :] = rescale * acc[:, :, i0:i1, :] + xp.matmul(p, v[:, :, j0:j1, :])
+        m[:, :, i0:i1, :] = m_new
+    if causal or key_padding is not None or mask is not None:
+        if bool(xp.any(m == -math.inf)):
+            b, h, i = _first_masked_row(xp, m)
+            raise ValueError(
+                f"query {i} of batch element {b}, head {h} has every key masked "
+                "(causal, key_padding and mask together): a fully masked row has no softmax"
+            )
+    out = acc / l                                                   # [B, H, S_q, D_v]
+    lse = xp.reshape(m + xp.log(l), (batch, heads, s_q))            # [B, H, S_q]
+    return out, (q, k, v, out, lse, settings)
+
+
+def _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal):
+    """One tile of the masked, scaled scores: z [B, H, i1 - i0, j1 - j0]."""
+    s_q, s_k = full[2], full[3]
+    z = xp.matmul(q[:, :, i0:i1, :], xp.matrix_transpose(k[:, :, j0:j1, :]))
+    z *= settings["scale"]
+    if diagonal:
+        z += _causal_table(xp, s_q, s_k, z.dtype)[i0:i1, j0:j1]
+    if settings["key_padding"] is not None:
+        z += settings["key_padding"][:, :, :, j0:j1]
+    if settings["mask"] is not None:
+        z += settings["mask"][:, :, i0:i1, j0:j1]
+    return z
+
+
+def _dropout_factor(xp, settings, full, i0, i1, j0, j1, dtype, like):
+    """keep / (1 - p) of one tile, [B, H, bq, bk] in the inputs' dtype."""
+    keep = dropout_keep(settings["seed"], full, (i0, i1), (j0, j1), settings["dropout_p"], like)
+    return xp.astype(keep, dtype) * (1.0 / (1.0 - settings["dropout_p"]))
+
+
+def tiled_attention_backward(dout, cache):
+    """The VJP of tiled_attention_forward, tile by tile, from (q, k, v, out, lse) only:
+
+    P   = exp(z - lse)                     the tile's probabilities, rebuilt
+    P'  = P * keep / (1 - p)               dropout's mask recomputed from the seed
+    dV += P'^T dout,   dP = (dout V^T) * keep / (1 - p)
+    D   = rowsum(dout * out)               (= rowsum(dP * P), chapter 15)
+    dZ  = P * (dP - D),   dQ += scale dZ K,   dK += scale dZ^T Q
+
+    dout [B, H, S_q, D_v]  ->  dq [B, H, S_q, D_h], dk [B, H, S_k, D_h], dv [B, H, S_k, D_v]
+    """
+    q, k, v, out, lse, settings = cache
+    checks.upstream_like("dout", dout, out)
+    xp = backend.namespace(q, k, v, dout)
+    batch, heads, s_q, d_h = q.shape
+    s_k = k.shape[2]
+    full = (batch, heads, s_q, s_k)
+    dtype = q.dtype
+    scale = settings["scale"]
+    lse = xp.reshape(lse, (batch, heads, s_q, 1))                   # [B, H, S_q, 1]
+    big_d = xp.sum(dout * out, axis=-1, keepdims=True)              # [B, H, S_q, 1]
+    dq = xp.zeros(q.shape, dtype=dtype)
+    dk = xp.zeros(k.shape, dtype=dtype)
+    dv = xp.zeros(v.shape, dtype=dtype)
+    for i0, i1, j0, j1, diagonal in attention_tiles(s_q, s_k, settings["block_size"],
+                                                    settings["causal"]):
+        z = _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal)  # [B, H, bq, bk]
+        p = xp.exp(z - lse[:, :, i0:i1, :])                         # masked entries: 0
+        g = dout[:, :, i0:i1, :]                                    # [B, H, bq, D_v]
+        dp = xp.matmul(g, xp.matrix_transpose(v[:, :, j0:j1, :]))   # [B, H, bq, bk]
+        if settings["seed"] is not None:
+            factor = _dropout_factor(xp, settings, full, i0, i1, j0, j1, dtype, q)
+            dv[:, :, j0:j1, :] += xp.matmul(xp.matrix_transpose(p * factor), g)
+            dp *= factor
+        else:
+            dv[:, :, j0:j1, :] += xp.matmul(xp.matrix_transpose(p), g)
+        dz = p * (dp - big_d[:, :, i0:i1, :])
+        dz *= scale
+        dq[:, :, i0:i1, :] += xp.matmul(dz, k[:, :, j0:j1, :])
+        dk[:, :, j0:j1, :] += xp.matmul(xp.matrix_transpose(dz), q[:, :, i0:i1, :])
+    return dq, dk, dv
