@@ -346,10 +346,19 @@ def test_parameter_names_follow_the_interface():
     (dict(vocab_size=0), "vocab_size must be a positive integer"),
     (dict(n_layers=2.5), "n_layers must be a positive integer"),
     (dict(dtype="float16"), "dtype must be one of"),
+    (dict(tied_head="no"), "tied_head must be True or False, got 'no'"),
+    (dict(bias=1), "bias must be True or False, got 1"),
+    (dict(head_bias="yes"), "head_bias must be True, False or None, got 'yes'"),
 ])
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError, match=message):
         DecoderLM(tiny(**overrides))
+
+
+def test_float_prompt_ids_are_refused_not_truncated():
+    model = DecoderLM(tiny()).init(seed=0)
+    with pytest.raises(ValueError, match="prompt_ids must be integers, got dtype float64"):
+        model.generate(np.array([[1.7, 2.0]]), max_new_tokens=1)
 
 
 def test_sequence_longer_than_max_seq_len_is_refused(rng):

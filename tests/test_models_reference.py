@@ -57,16 +57,19 @@ def _rotate(vec, position, cfg):
 
 
 def _attention(xs, p, prefix, cfg):
-    """Causal multi-head self-attention of one sequence xs [S, D] -> [S, D]."""
-    S, D, H = len(xs), cfg.d_model, cfg.n_heads
-    d_h = D // H
-    qkv = [_linear(x, p, prefix + ".qkv") for x in xs]           # S rows of [3D]: q | k | v
+    """Causal multi-head self-attention of one sequence xs [S, D] -> [S, D]; with
+    n_kv_heads < n_heads, query head h reads key/value head h // (n_heads / n_kv_heads)."""
+    S, D, H, H_kv = len(xs), cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+    d_h, group = D // H, H // H_kv
+    W_kv = H_kv * d_h
+    qkv = [_linear(x, p, prefix + ".qkv") for x in xs]     # S rows of [D + 2 W_kv]: q | k | v
     merged = np.zeros((S, D))
     for h in range(H):
         cols = slice(h * d_h, (h + 1) * d_h)
+        kv_cols = slice((h // group) * d_h, (h // group + 1) * d_h)
         q = [row[:D][cols] for row in qkv]
-        k = [row[D:2 * D][cols] for row in qkv]
-        v = [row[2 * D:][cols] for row in qkv]
+        k = [row[D:D + W_kv][kv_cols] for row in qkv]
+        v = [row[D + W_kv:][kv_cols] for row in qkv]
         if cfg.position == "rotary":
             q = [_rotate(q[t], t, cfg) for t in range(S)]
             k = [_rotate(k[t], t, cfg) for t in range(S)]
@@ -190,6 +193,9 @@ CONFIGS = {
     "llama-rope-base-eps": DecoderConfig.llama(13, 9, 8, 2, 2, d_ff=12, rope_base=3.0,
                                                eps=0.25),
     "llama-four-heads": DecoderConfig.llama(13, 9, 16, 1, 4, d_ff=24),
+    "llama-grouped-query": DecoderConfig.llama(13, 9, 16, 2, 4, d_ff=24, n_kv_heads=2),
+    "gpt2-multi-query-tiled": DecoderConfig(**SMALL, n_kv_heads=1, attention="tiled",
+                                            attention_block_size=4),
     "gpt2-dropout-at-eval": DecoderConfig(**SMALL, dropout=0.3),
 }
 
@@ -243,6 +249,8 @@ def test_the_reference_is_not_blind():
 #   "init":      init_std: documented to change the initial parameters only
 #   "dtype":     the logits' dtype changes; their values agree to float32 precision
 #   "length":    max_seq_len: the longest sequence accepted (and wpe's rows)
+#   "same":      attention, attention_block_size: documented to compute the same function
+#                another way (tiled): the logits equal the base's to round-off
 
 FIELD_ROWS = {
     "vocab_size": ({}, 17, "shapes"),
@@ -264,6 +272,9 @@ FIELD_ROWS = {
     "rope_base": ({"position": "rotary"}, 3.0, "forward"),
     "gelu_approximate": ({}, "none", "forward"),
     "init_std": ({}, 0.5, "init"),
+    "n_kv_heads": ({}, 1, "shapes"),
+    "attention": ({}, "tiled", "same"),
+    "attention_block_size": ({"attention": "tiled"}, 3, "same"),
 }
 
 
@@ -284,7 +295,7 @@ def test_each_field_changes_what_it_should(field):
     same_shapes = cfg.param_shapes() == base_cfg.param_shapes()
     if effect == "shapes":
         assert not same_shapes
-    if effect in ("forward", "eval-only", "init", "dtype", "length") and same_shapes:
+    if effect in ("forward", "eval-only", "init", "dtype", "length", "same") and same_shapes:
         model.params.load_flat(np.array(to_numpy(base.params.data), dtype=cfg.dtype))
     logits = to_numpy(model.forward(x)[0])
     if effect in ("forward", "shapes"):
@@ -292,6 +303,9 @@ def test_each_field_changes_what_it_should(field):
         assert _relative(logits, ref) < TOL
         if logits.shape == base_logits.shape:
             assert _relative(logits, base_logits) > 1e-6
+    elif effect == "same":
+        assert same_shapes
+        assert _relative(logits, base_logits) < TOL
     elif effect == "eval-only":
         np.testing.assert_array_equal(logits, base_logits)
         kw = dict(training=True, rng=default_rng(0))

@@ -112,6 +112,11 @@ class DecoderConfig:
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
                 f"({self.n_kv_heads}): each key/value head serves n_heads / n_kv_heads "
                 "query heads")
+        for name in ("tied_head", "bias"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.head_bias, (bool, np.bool_)):
+            raise ValueError(f"head_bias must be True, False or None, got {self.head_bias!r}")
         choices = dict(norm=("layernorm", "rmsnorm"), norm_placement=PLACEMENTS,
                        position=POSITIONS, mlp=MLPS, dtype=FLOAT_DTYPES,
                        gelu_approximate=F.GELU_APPROXIMATIONS, attention=ATTENTIONS)
@@ -368,7 +373,10 @@ class DecoderLM:
         max_seq_len tokens (with the cache, it is rebuilt for the new window).
         """
         check_sampling(max_new_tokens, temperature, top_k, top_p)
-        ids = np.asarray(backend.to_numpy(prompt_ids)).astype(np.int64)
+        ids = np.asarray(backend.to_numpy(prompt_ids))
+        if ids.dtype.kind not in "iu":      # a float id would be truncated without a word
+            raise ValueError(f"prompt_ids must be integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64)
         if ids.ndim == 1:
             ids = ids[None, :]
         if ids.ndim != 2 or ids.shape[1] < 1:
