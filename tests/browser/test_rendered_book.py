@@ -21,7 +21,9 @@ One test per HTML file of _build/html, so that a failure names the page. A page 
   the source notes' [note 004], never a label mangled out of a name ([Sourcen00425]),
 * any display equation, table, code block or printed output wider than the text column at a
   1280 px window (content a reader would have to scroll sideways to see), and, at a 400 px
-  window, anything wider than its box that is cut instead of scrolling.
+  window (a phone), any page that scrolls sideways as a whole or whose text column is cut,
+  and any wide equation, table, code block or output that does not scroll inside its own
+  box (the element or its wrapper, lying within the window).
 
 Every page of the build is opened, search.html included: both are plain
 local pages (search.html loads searchindex.js from the build).
@@ -139,8 +141,8 @@ _MATH_JS = r"""
 
 # Runs in the page after MathJax: every display equation, table, code block and printed output
 # must fit the text column. `strict` (the 1280 px check) fails on anything wider than its
-# column, scrollbar or not; otherwise (the 400 px check) only content cut off without a
-# scrollbar fails. Each entry names the element by its text (the TeX of an equation).
+# column, scrollbar or not; otherwise (the 400 px check) wide content fails unless it scrolls
+# inside its own box, and the page may not scroll sideways. Each entry names the element by its text (the TeX of an equation).
 _OVERFLOW_JS = r"""
 (strict) => {
   const article = document.querySelector("article.bd-article") || document.body;
