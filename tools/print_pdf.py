@@ -103,27 +103,34 @@ _LAYOUT_JS = r"""
     }
     return copy.textContent.replace(/\s+/g, " ").trim();
   };
-  // The sections' own ids repeat from chapter to chapter ("summary", "exercises"): each
-  // heading gets an id of its own.
-  const mark = (heading) => (heading.id = heading.id || `tfcore-outline-${outline.length}`);
+  // The sections' own ids repeat from chapter to chapter ("summary", "exercises"), so each
+  // heading gets an id of its own; the section's id is the second choice where it is unique
+  // (chromium writes one destination where two elements start at the same place).
+  const targets = (section, heading) => {
+    heading.id = heading.id || `tfcore-outline-${outline.length}`;
+    const unique = section.id && document.querySelectorAll(`[id="${CSS.escape(section.id)}"]`).length === 1;
+    return unique ? [heading.id, section.id] : [heading.id];
+  };
   const outline = [];
   const front = document.querySelector("article section, main section");
   const chapters = [front, ...document.querySelectorAll('span[id^="document-"] + section')];
   for (const chapter of chapters) {
     const heading = chapter && chapter.querySelector(":scope > h1, :scope > h2");
     if (!heading) continue;
-    outline.push({ level: 1, title: title(heading), id: mark(heading) });
+    outline.push({ level: 1, title: title(heading), ids: targets(chapter, heading) });
     for (const section of chapter.querySelectorAll(":scope > section")) {
       const sub = section.querySelector(":scope > h2, :scope > h3");
-      if (sub) outline.push({ level: 2, title: title(sub), id: mark(sub) });
+      if (sub) outline.push({ level: 2, title: title(sub), ids: targets(section, sub) });
     }
   }
   const anchors = document.createElement("div");
   anchors.style.display = "none";
   for (const entry of outline) {
-    const link = document.createElement("a");
-    link.href = "#" + entry.id;
-    anchors.append(link);
+    for (const id of entry.ids) {
+      const link = document.createElement("a");
+      link.href = "#" + id;
+      anchors.append(link);
+    }
   }
   document.body.append(anchors);
   return { loosened, outline };
@@ -137,17 +144,18 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 def book_outline(doc, outline: list[dict]) -> list[list]:
-    """PyMuPDF's table of contents for ``outline`` ({level, title, id} in reading order).
+    """PyMuPDF's table of contents for ``outline`` ({level, title, ids} in reading order).
 
-    Each id is a named destination of the printed PDF (chromium writes one for every element
+    Each entry's first id that is a named destination of the printed PDF (chromium writes one for every element
     a link points to): its page and height are where the bookmark goes.
     """
     names = doc.resolve_names()
     toc = []
     for entry in outline:
-        where = names.get(entry["id"])
+        where = next((names[i] for i in entry["ids"] if i in names), None)
         if where is None:
-            raise RuntimeError(f"no destination for #{entry['id']} ({entry['title']!r}) in the PDF")
+            raise RuntimeError(f"no destination for {entry['title']!r} (#{', #'.join(entry['ids'])}) "
+                               "in the PDF")
         height = doc[where["page"]].rect.height
         toc.append([entry["level"], entry["title"], where["page"] + 1,
                     {"kind": 1, "page": where["page"], "to": (0, height - where["to"][1]), "zoom": 0}])
