@@ -9,8 +9,8 @@ headless chromium, tools/print_pdf.py). PyMuPDF reads it back, and it fails on
 * a code cell printed as an empty box: for every code cell of every notebook, its most
   distinctive line must be in the PDF's text AND drawn in ink there (a cell printed at
   opacity 0 leaves no text; one printed faint or transparent leaves text but no ink);
-* a page left nearly blank (its ink ends before the middle of the page) that is not the last
-  page of a chapter;
+* a page left nearly blank (its ink ends above the middle of the page) that is not the last
+  page of a chapter, nor followed by a figure too tall for the room left;
 * a chapter that is not an entry at the top of the PDF's outline (bookmarks), or that does
   not start at the top of a new page;
 * an exercise's hint or solution printed open (they print collapsed, as a reader first sees
@@ -34,7 +34,7 @@ PDF = ROOT / "_build" / "pdf" / "book.pdf"
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$|\\begin\{|\\frac\{|\\mathrm\{|\\sum_")
 # A page whose ink ends above this fraction of the text area is nearly blank (A4, 16 mm
 # margins top and bottom; the page number in the bottom margin does not count).
-BLANK_BELOW = 0.5
+BLANK_BELOW = 0.6
 MARGIN_FRACTION = 16 / 297
 
 
@@ -148,16 +148,30 @@ def chapter_first_pages(doc) -> list[int]:
     return [page - 1 for level, _, page in doc.get_toc() if level == 1]
 
 
+def _figure_too_tall_for(page, next_page, extent: float) -> bool:
+    """Whether next_page begins with an image taller than the room left on page (an image
+    cannot break across pages: the room it leaves is no layout fault)."""
+    images = [info["bbox"] for info in next_page.get_image_info()]
+    lines = [rect.y0 for _, rect in _page_lines(next_page)
+             if rect.y1 < next_page.rect.height * (1 - MARGIN_FRACTION)]
+    if not images:
+        return False
+    first = min(images, key=lambda box: box[1])
+    room = (1 - extent) * page.rect.height * (1 - 2 * MARGIN_FRACTION)
+    return first[1] <= min(lines, default=first[1]) + 1 and first[3] - first[1] > room
+
+
 def nearly_blank_pages(doc) -> list[tuple[int, float]]:
     """(1-based page, ink extent) of each page whose ink ends above BLANK_BELOW of the text
-    area, except the last page of a chapter (the page before a chapter's first page) and the
-    last page of the PDF."""
+    area, except the last page of a chapter (the page before a chapter's first page), the
+    last page of the PDF, and a page whose rest is too short for the figure that opens the
+    next one."""
     chapter_ends = {first - 1 for first in chapter_first_pages(doc)} | {doc.page_count - 1}
     found = []
     for number, page in enumerate(doc):
         if number not in chapter_ends:
             extent = ink_extent(page)
-            if extent < BLANK_BELOW:
+            if extent < BLANK_BELOW and not _figure_too_tall_for(page, doc[number + 1], extent):
                 found.append((number + 1, round(extent, 2)))
     return found
 
