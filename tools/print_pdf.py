@@ -1,19 +1,32 @@
 """Print the book to one PDF: the single-page HTML build, typeset by MathJax, printed by chromium.
 
     python tools/print_pdf.py _build/singlehtml _build/pdf/book.pdf
+    python tools/print_pdf.py _build/singlehtml /tmp/part.pdf --only 06_attention,12_tensor
 
 The single-page build holds every chapter in order. Headless Debian chromium (the browser the
 tests use) loads it from a local server, waits for MathJax to typeset every equation (SVG
-output, so the PDF holds vector math), opens the collapsed cells so that the PDF shows what
-an expanded page shows, and prints it. The file is written next to its destination first
-and moved into place at the end, so a failed run leaves the previous PDF intact.
+output, so the PDF holds vector math) and prints it with these rules:
+
+* the collapsed code cells are opened, without their fade-in animation (printed during the
+  animation, a cell's code came out at opacity 0: an empty box); the exercises' hints and
+  solutions stay closed, so a reader can try the exercise first;
+* every chapter starts on a new page;
+* a box the themes keep in one piece (an admonition, and a collapsed cell is one; a code block;
+  a table) may break across pages when it is taller than a third of a page: kept whole, it
+  jumps to the next page and leaves the rest of this one blank;
+* the PDF has an outline (bookmarks): one entry per chapter, its sections below it.
+
+``--only`` prints just the chapters whose file names contain one of the given strings (the
+front page always), for a quick look at a layout change. The file is written next to its
+destination first and moved into place at the end, so a failed run leaves the previous PDF
+intact.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import http.server
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -22,10 +35,24 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
 
+# A4 with these margins leaves 182 x 265 mm, 688 x 1002 CSS px, for the text.
+MARGIN_MM = {"top": 16, "bottom": 16, "left": 14, "right": 14}
+PRINT_WIDTH_PX = round((210 - MARGIN_MM["left"] - MARGIN_MM["right"]) / 25.4 * 96)
+PRINT_HEIGHT_PX = round((297 - MARGIN_MM["top"] - MARGIN_MM["bottom"]) / 25.4 * 96)
+
 # Print layout: the theme's print stylesheet already hides the sidebars and buttons; these
-# rules keep equations, code and figures whole on A4 and avoid breaking a line of code.
+# rules keep equations, code and figures inside A4 and avoid breaking a line of code.
 PRINT_CSS = """
-@page { size: A4; margin: 16mm 14mm; }
+@page { size: A4; }
+/* Nothing moves on paper. MyST-NB fades an opened cell in (collapsed-fade-in, 0.3 s, from
+   opacity 0) and sphinx-design its dropdowns: a page printed before the end shows nothing. */
+*, *::before, *::after { animation: none !important; transition: none !important; }
+details.hide[open] > *, details.hide .cell_input { opacity: 1 !important; }
+/* An opened cell prints its code without the "Hide code cell source" line above it. */
+details.hide > summary { display: none !important; }
+/* Each chapter of the single-page build (a section after its document anchor) on a new page. */
+span[id^="document-"] + section { break-before: page; }
+.tfcore-may-break { break-inside: auto !important; }
 mjx-container[display="true"] { overflow: visible !important; }
 mjx-container[display="true"] svg { max-width: 100%; height: auto; }
 pre { white-space: pre-wrap !important; word-break: break-all; font-size: 8pt !important; }
@@ -34,54 +61,163 @@ img { max-width: 100% !important; break-inside: avoid; }
 .copybtn, .toggle-button, button { display: none !important; }
 """
 
+# Runs once the page has loaded: typeset, open the code cells, close everything else.
+_PREPARE_JS = r"""
+async (only) => {
+  if (only.length) {
+    for (const anchor of document.querySelectorAll('span[id^="document-"]')) {
+      if (!only.some(part => anchor.id.includes(part))) {
+        const section = anchor.nextElementSibling;
+        if (section && section.tagName === "SECTION") section.remove();
+        anchor.remove();
+      }
+    }
+  }
+  if (window.MathJax && MathJax.startup) await MathJax.startup.promise;
+  for (const d of document.querySelectorAll("details")) d.open = d.classList.contains("hide");
+}
+"""
+
+# Runs in print layout: which boxes kept whole are too tall to be kept whole, and the outline:
+# every chapter (the section after a document anchor of the single-page build; the front page
+# is the first section) and its sections, each with its title and element id. A hidden link to
+# each id makes chromium write it into the PDF as a named destination, with its page.
+_LAYOUT_JS = r"""
+(maxHeight) => {
+  const boxes = ".admonition, details, div.highlight, div[class*=highlight-], "
+              + "div.literal-block-wrapper, table, .cell, .cell_output, pre, figure, blockquote";
+  let loosened = 0;
+  for (const el of document.querySelectorAll(boxes)) {
+    const avoid = getComputedStyle(el).breakInside;
+    if ((avoid === "avoid" || avoid === "avoid-page") && el.getBoundingClientRect().height > maxHeight) {
+      el.classList.add("tfcore-may-break");
+      loosened += 1;
+    }
+  }
+  const title = (heading) => {
+    const copy = heading.cloneNode(true);
+    for (const link of copy.querySelectorAll(".headerlink")) link.remove();
+    for (const math of copy.querySelectorAll("mjx-container")) {
+      const mml = math.querySelector("mjx-assistive-mml");
+      math.replaceWith(mml ? mml.textContent : "");
+    }
+    return copy.textContent.replace(/\s+/g, " ").trim();
+  };
+  // The sections' own ids repeat from chapter to chapter ("summary", "exercises"), so each
+  // heading gets an id of its own; the section's id is the second choice where it is unique
+  // (chromium writes one destination where two elements start at the same place).
+  const targets = (section, heading) => {
+    heading.id = heading.id || `tfcore-outline-${outline.length}`;
+    const unique = section.id && document.querySelectorAll(`[id="${CSS.escape(section.id)}"]`).length === 1;
+    return unique ? [heading.id, section.id] : [heading.id];
+  };
+  const outline = [];
+  const front = document.querySelector("article section, main section");
+  const chapters = [front, ...document.querySelectorAll('span[id^="document-"] + section')];
+  for (const chapter of chapters) {
+    const heading = chapter && chapter.querySelector(":scope > h1, :scope > h2");
+    if (!heading) continue;
+    outline.push({ level: 1, title: title(heading), ids: targets(chapter, heading) });
+    for (const section of chapter.querySelectorAll(":scope > section")) {
+      const sub = section.querySelector(":scope > h2, :scope > h3");
+      if (sub) outline.push({ level: 2, title: title(sub), ids: targets(section, sub) });
+    }
+  }
+  const anchors = document.createElement("div");
+  anchors.style.display = "none";
+  for (const entry of outline) {
+    for (const id of entry.ids) {
+      const link = document.createElement("a");
+      link.href = "#" + id;
+      anchors.append(link);
+    }
+  }
+  document.body.append(anchors);
+  return { loosened, outline };
+}
+"""
+
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 (the base class's signature)
         pass
 
 
-def print_pdf(site: Path, destination: Path) -> None:
+def book_outline(doc, outline: list[dict]) -> list[list]:
+    """PyMuPDF's table of contents for ``outline`` ({level, title, ids} in reading order).
+
+    Each entry's first id that is a named destination of the printed PDF (chromium writes one for every element
+    a link points to): its page and height are where the bookmark goes.
+    """
+    names = doc.resolve_names()
+    toc = []
+    for entry in outline:
+        where = next((names[i] for i in entry["ids"] if i in names), None)
+        if where is None:
+            raise RuntimeError(f"no destination for {entry['title']!r} (#{', #'.join(entry['ids'])}) "
+                               "in the PDF")
+        height = doc[where["page"]].rect.height
+        toc.append([entry["level"], entry["title"], where["page"] + 1,
+                    {"kind": 1, "page": where["page"], "to": (0, height - where["to"][1]), "zoom": 0}])
+    return toc
+
+
+def print_pdf(site: Path, destination: Path, only: list[str] | None = None) -> dict:
+    """Print ``site``/index.html to ``destination``; returns what the layout step did."""
     if not (site / "index.html").is_file():
         raise SystemExit(f"error: {site}/index.html is missing: build the single-page HTML first")
     if not CHROMIUM.exists():
         raise SystemExit(f"error: {CHROMIUM} is missing: install Debian's chromium")
+    import pymupdf
     from playwright.sync_api import sync_playwright
 
     server = http.server.ThreadingHTTPServer(
         ("127.0.0.1", 0), functools.partial(_Quiet, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     destination.parent.mkdir(parents=True, exist_ok=True)
+    printed = destination.with_name(destination.name + ".printed")
     partial = destination.with_name(destination.name + ".partial")
+    origin = f"http://127.0.0.1:{server.server_address[1]}/"
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1000, "height": 1400})
+            # The viewport is the printed text's width, so that the heights measured below are
+            # those of the printed page.
+            page = browser.new_page(viewport={"width": PRINT_WIDTH_PX, "height": PRINT_HEIGHT_PX})
             # One page holds the whole book: loading it and typesetting every equation takes
             # a while on a small or busy machine.
             page.set_default_timeout(600_000)
-            page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
-                f"http://127.0.0.1:{server.server_address[1]}/") else r.abort())
-            page.goto(f"http://127.0.0.1:{server.server_address[1]}/index.html", wait_until="load")
-            page.evaluate("""async () => {
-                await MathJax.startup.promise;
-                for (const d of document.querySelectorAll("details")) d.open = true;
-            }""")
+            page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(origin)
+                       else r.abort())
+            page.goto(origin + "index.html", wait_until="load")
+            page.evaluate(_PREPARE_JS, only or [])
             page.add_style_tag(content=PRINT_CSS)
             page.emulate_media(media="print")
-            page.pdf(path=str(partial), format="A4", print_background=True,
+            layout = page.evaluate(_LAYOUT_JS, PRINT_HEIGHT_PX / 3)
+            page.pdf(path=str(printed), format="A4", print_background=True,
                      display_header_footer=True, header_template="<span></span>",
                      footer_template='<div style="font-size:8px;width:100%;text-align:center">'
                                      '<span class="pageNumber"></span></div>',
-                     margin={"top": "16mm", "bottom": "16mm", "left": "14mm", "right": "14mm"})
+                     margin={side: f"{mm}mm" for side, mm in MARGIN_MM.items()})
             browser.close()
+        with pymupdf.open(printed) as doc:
+            doc.set_toc(book_outline(doc, layout["outline"]))
+            doc.save(partial, garbage=1, deflate=True)
         os.replace(partial, destination)
+        return layout
     finally:
+        printed.unlink(missing_ok=True)
         partial.unlink(missing_ok=True)
         server.shutdown()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: python tools/print_pdf.py SINGLEHTML_DIR OUTPUT.pdf")
-    print_pdf(Path(sys.argv[1]), Path(sys.argv[2]))
-    print(f"wrote {sys.argv[2]}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("site", type=Path, help="the single-page HTML build (_build/singlehtml)")
+    parser.add_argument("output", type=Path, help="the PDF to write")
+    parser.add_argument("--only", default="", help="comma-separated parts of chapter file names")
+    args = parser.parse_args()
+    layout = print_pdf(args.site, args.output, [s for s in args.only.split(",") if s])
+    chapters = sum(entry["level"] == 1 for entry in layout["outline"])
+    print(f"wrote {args.output}: {chapters} outline entries at the top level, "
+          f"{layout['loosened']} tall boxes allowed to break across pages")

@@ -1,13 +1,28 @@
-"""The PDF of the whole book (`make pdf`): one file, every chapter in it, its math typeset.
+"""The PDF of the whole book (`make pdf`): every chapter in it, readable, with its code and outline.
 
 `make test` builds it before the tests run (`make pdf`: the single-page HTML build printed by
-headless chromium, tools/print_pdf.py). Its text is extracted with pypdf: every page of the
-table of contents must appear under its title, and no raw TeX may be left in the text outside
-code (MathJax's SVG output is drawn, not written, so typeset math leaves no TeX behind; code
-is set in the monospace font and may hold TeX in its strings).
+headless chromium, tools/print_pdf.py). PyMuPDF reads it back, and it fails on
+
+* a chapter of the table of contents missing from the text, or raw TeX left in the prose
+  (MathJax's SVG output is drawn, not written, so typeset math leaves no TeX behind; code is
+  set in the monospace font and may hold TeX in its strings);
+* a code cell printed as an empty box: for every code cell of every notebook, its most
+  distinctive line must be in the PDF's text AND drawn in ink there (a cell printed at
+  opacity 0 leaves no text; one printed faint or transparent leaves text but no ink);
+* a page left nearly blank (its ink ends above the middle of the page) that is not the last
+  page of a chapter, nor followed by a figure too tall for the room left;
+* a chapter that is not an entry at the top of the PDF's outline (bookmarks), or that does
+  not start at the top of a new page;
+* an exercise's hint or solution printed open (they print collapsed, as a reader first sees
+  them; the code cells print open).
+
+The checks are functions of the PDF, and the last tests print a small page through the same
+tools/print_pdf.py with a planted blank code box and a planted half-empty page, and show that
+each is reported.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -16,14 +31,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PDF = ROOT / "_build" / "pdf" / "book.pdf"
-RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\begin\{|\\frac\{|\\mathrm\{|\\sum_")
+RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$|\\begin\{|\\frac\{|\\mathrm\{|\\sum_")
+# A page whose ink ends above this fraction of the text area is nearly blank (A4, 16 mm
+# margins top and bottom; the page number in the bottom margin does not count).
+BLANK_BELOW = 0.6
+MARGIN_FRACTION = 16 / 297
+
+
+def _toc_files() -> list[Path]:
+    return [ROOT / rel for rel in re.findall(r"file:\s*(\S+)", (ROOT / "_toc.yml").read_text())]
 
 
 def _titles() -> list[str]:
     """The title (first '# ' heading) of every page listed in _toc.yml, in order."""
     titles = []
-    for rel in re.findall(r"file:\s*(\S+)", (ROOT / "_toc.yml").read_text()):
-        notebook, markdown = ROOT / f"{rel}.ipynb", ROOT / f"{rel}.md"
+    for stem in _toc_files():
+        notebook, markdown = stem.with_suffix(".ipynb"), stem.with_suffix(".md")
         if notebook.exists():
             cells = json.loads(notebook.read_text())["cells"]
             text = "".join(next(c for c in cells if c["cell_type"] == "markdown")["source"])
@@ -34,18 +57,189 @@ def _titles() -> list[str]:
     return titles
 
 
+def _words(text: str) -> str:
+    """Letters and digits only, lower case: the PDF's text wraps and hyphenates headings."""
+    return re.sub(r"[^a-z0-9]+", "", text.lower())
+
+
+def _squash(text: str) -> str:
+    """Without white space: a line of code as the PDF's text gives it back, wrapped or not."""
+    return re.sub(r"\s+", "", text)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks, as functions of an open PyMuPDF document.
+
+def code_lines(sources: list[str], shortest: int = 12) -> list[str]:
+    """For each cell source, its most distinctive line (squashed): the longest line found in no
+    other cell, else its longest line; "" for a cell with no line of `shortest` characters."""
+    lines = [[_squash(line) for line in source.splitlines()] for source in sources]
+    lines = [[line for line in cell if len(line) >= shortest] for cell in lines]
+    seen: dict[str, int] = {}
+    for cell in lines:
+        for line in set(cell):
+            seen[line] = seen.get(line, 0) + 1
+    return [max((line for line in cell if seen[line] == 1), key=len, default="")
+            or max(cell, key=len, default="") for cell in lines]
+
+
+def _page_lines(page) -> list[tuple[str, object]]:
+    """(squashed text, bbox) of every line of text on the page that is not fully transparent."""
+    import pymupdf
+
+    found = []
+    for block in page.get_text("dict")["blocks"]:
+        for line in block.get("lines", []):
+            text = _squash("".join(span["text"] for span in line["spans"] if span["alpha"] > 0))
+            if text:
+                found.append((text, pymupdf.Rect(line["bbox"])))
+    return found
+
+
+def _has_ink(page, rect, darkest: int = 140) -> bool:
+    """Whether anything in `rect` is drawn darker than `darkest` (0 black, 255 white)."""
+    import pymupdf
+
+    pixmap = page.get_pixmap(dpi=96, clip=rect, colorspace=pymupdf.csGRAY)
+    return len(pixmap.samples) > 0 and min(pixmap.samples) < darkest
+
+
+def blank_code(doc, lines: list[str]) -> list[str]:
+    """The lines (squashed) that the PDF does not show: absent from its text, or without ink."""
+    pages = []
+    for page in doc:
+        parts = _page_lines(page)
+        pages.append((page, "".join(text for text, _ in parts), parts))
+    missing = []
+    for wanted in lines:
+        if not wanted:
+            continue
+        shown = False
+        for page, text, parts in pages:
+            at = text.find(wanted)
+            if at < 0:
+                continue
+            start, covered = 0, []
+            for part, rect in parts:  # the lines of the page that hold the match
+                if start < at + len(wanted) and at < start + len(part):
+                    covered.append(rect)
+                start += len(part)
+            if any(_has_ink(page, rect) for rect in covered):
+                shown = True
+                break
+        if not shown:
+            missing.append(wanted)
+    return missing
+
+
+def ink_extent(page) -> float:
+    """How far down the text area the page's ink reaches (0 top, 1 bottom; 0 when blank)."""
+    import pymupdf
+
+    pixmap = page.get_pixmap(dpi=36, colorspace=pymupdf.csGRAY)
+    width, height, samples = pixmap.width, pixmap.height, pixmap.samples
+    top, bottom = round(height * MARGIN_FRACTION), round(height * (1 - MARGIN_FRACTION))
+    inked = [y for y in range(top, bottom) if min(samples[y * width:(y + 1) * width]) < 150]
+    return (max(inked) - top + 1) / (bottom - top) if inked else 0.0
+
+
+def chapter_first_pages(doc) -> list[int]:
+    """0-based page of every top-level entry of the outline."""
+    return [page - 1 for level, _, page in doc.get_toc() if level == 1]
+
+
+def _figure_too_tall_for(page, next_page, extent: float) -> bool:
+    """Whether next_page begins with an image taller than the room left on page (an image
+    cannot break across pages: the room it leaves is no layout fault)."""
+    images = [info["bbox"] for info in next_page.get_image_info()]
+    lines = [rect.y0 for _, rect in _page_lines(next_page)
+             if rect.y1 < next_page.rect.height * (1 - MARGIN_FRACTION)]
+    if not images:
+        return False
+    first = min(images, key=lambda box: box[1])
+    room = (1 - extent) * page.rect.height * (1 - 2 * MARGIN_FRACTION)
+    return first[1] <= min(lines, default=first[1]) + 1 and first[3] - first[1] > room
+
+
+def nearly_blank_pages(doc) -> list[tuple[int, float]]:
+    """(1-based page, ink extent) of each page whose ink ends above BLANK_BELOW of the text
+    area, except the last page of a chapter (the page before a chapter's first page), the
+    last page of the PDF, and a page whose rest is too short for the figure that opens the
+    next one."""
+    chapter_ends = {first - 1 for first in chapter_first_pages(doc)} | {doc.page_count - 1}
+    found = []
+    for number, page in enumerate(doc):
+        if number not in chapter_ends:
+            extent = ink_extent(page)
+            if extent < BLANK_BELOW and not _figure_too_tall_for(page, doc[number + 1], extent):
+                found.append((number + 1, round(extent, 2)))
+    return found
+
+
+def outline_problems(doc, titles: list[str]) -> list[str]:
+    """Every title must be a top-level outline entry, in order; each entry's page starts with it."""
+    entries = [(title, page) for level, title, page in doc.get_toc() if level == 1]
+    problems = []
+    position = 0
+    for wanted in titles:
+        words = _words(re.sub(r"\$[^$]*\$", "", wanted))
+        match = next((i for i in range(position, len(entries)) if words and words in _words(entries[i][0])),
+                     None)
+        if match is None:
+            problems.append(f"{wanted!r} is not a top-level entry of the outline (after "
+                            f"{entries[position - 1][0]!r})" if position else
+                            f"{wanted!r} is not a top-level entry of the outline")
+            continue
+        position = match + 1
+        title, page = entries[match]
+        lines = sorted(((rect.y0, text) for text, rect in _page_lines(doc[page - 1])
+                        if rect.y1 < doc[page - 1].rect.height * (1 - MARGIN_FRACTION)))
+        first = _words(lines[0][1]) if lines else ""
+        if not (first and _words(title).startswith(first)):
+            problems.append(f"{wanted!r} does not start a new page: page {page} begins with "
+                            f"{lines[0][1] if lines else 'nothing'!r}")
+    return problems
+
+
+def _closed_dropdowns() -> list[tuple[str, str]]:
+    """(page, a fragment of prose at least 30 letters long) of every hint and solution body."""
+    fence = re.compile(r"```\{dropdown\}[^\n]*\n(.*?)\n```", re.DOTALL)
+    found = []
+    for stem in _toc_files():
+        notebook = stem.with_suffix(".ipynb")
+        if not notebook.exists():
+            continue
+        text = "\n".join("".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]
+                         if c["cell_type"] == "markdown")
+        for body in fence.findall(text):
+            prose = re.sub(r"\$\$.*?\$\$|\$[^$]*\$|`[^`]*`|\[[^\]]*\]\([^)]*\)|\{[a-z]+\}", "|", body,
+                           flags=re.DOTALL)
+            pieces = [p for p in re.split(r"[|.:;()]", prose) if len(_words(p)) >= 30]
+            if pieces:
+                found.append((notebook.stem, max(pieces, key=lambda p: len(_words(p)))))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The book's PDF.
+
 @pytest.fixture(scope="module")
-def pdf_spans() -> list[tuple[str, str]]:
-    """(font, text) of every span of text in the PDF, in reading order."""
+def pdf_doc():
     if not PDF.is_file():
         pytest.fail(f"{PDF} does not exist: run `make pdf` first", pytrace=False)
     import pymupdf
 
     with pymupdf.open(PDF) as doc:
         assert doc.page_count > 20, f"{PDF} has only {doc.page_count} pages"
-        return [(span["font"], span["text"])
-                for page in doc for block in page.get_text("dict")["blocks"]
-                for line in block.get("lines", []) for span in line["spans"]]
+        yield doc
+
+
+@pytest.fixture(scope="module")
+def pdf_spans(pdf_doc) -> list[tuple[str, str]]:
+    """(font, text) of every span of text in the PDF, in reading order."""
+    return [(span["font"], span["text"])
+            for page in pdf_doc for block in page.get_text("dict")["blocks"]
+            for line in block.get("lines", []) for span in line["spans"]]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +250,6 @@ def pdf_text(pdf_spans) -> str:
 @pytest.fixture(scope="module")
 def prose_text(pdf_spans) -> str:
     return "\n".join(text for font, text in pdf_spans if "Mono" not in font)
-
-
-def _words(text: str) -> str:
-    """Letters and digits only, lower case: the PDF's text wraps and hyphenates headings."""
-    return re.sub(r"[^a-z0-9]+", "", text.lower())
 
 
 def test_every_chapter_is_in_the_pdf(pdf_text):
@@ -79,4 +268,107 @@ def test_the_pdf_has_no_raw_tex(prose_text):
 def test_the_raw_tex_check_sees_untypeset_math():
     # What an untypeset equation leaves in the text is caught; code-like prose is not.
     assert RAW_TEX.search(r"the loss $$L = \frac{1}{N} \sum_i \ell_i$$ is")
+    assert RAW_TEX.search(r"by the chain rule $dX = G$")
     assert not RAW_TEX.search("the loss L = (1/N) sum_i l_i is a mean over N tokens")
+
+
+def test_every_code_cell_is_printed(pdf_doc):
+    cells = []
+    for stem in _toc_files():
+        notebook = stem.with_suffix(".ipynb")
+        if notebook.exists():
+            for index, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+                tags = cell.get("metadata", {}).get("tags", [])
+                if cell["cell_type"] == "code" and not {"remove-input", "remove-cell"} & set(tags):
+                    cells.append((f"{notebook.name} cell {index}", "".join(cell["source"])))
+    lines = code_lines([source for _, source in cells])
+    assert sum(map(bool, lines)) > 100, "too few code cells found to check"
+    blank = set(blank_code(pdf_doc, lines))
+    empty = [f"{name}: {line[:60]!r}" for (name, _), line in zip(cells, lines) if line in blank]
+    assert not empty, f"{len(empty)} code cells print as empty boxes:\n  " + "\n  ".join(empty)
+
+
+def test_no_page_is_nearly_blank(pdf_doc):
+    blank = nearly_blank_pages(pdf_doc)
+    assert not blank, (f"{len(blank)} pages whose ink ends above {BLANK_BELOW:.0%} of the page "
+                       f"(page, extent): {blank}")
+
+
+def test_every_chapter_has_a_bookmark_and_starts_a_page(pdf_doc):
+    problems = outline_problems(pdf_doc, _titles())
+    assert not problems, "\n".join(problems)
+
+
+def test_hints_and_solutions_print_closed(pdf_text):
+    bodies = _closed_dropdowns()
+    assert len(bodies) > 20, "too few hint and solution dropdowns found to check"
+    flat = _words(pdf_text)
+    printed = [f"{page}: {fragment.strip()[:70]!r}" for page, fragment in bodies
+               if _words(fragment) in flat]
+    assert not printed, "hints or solutions printed open:\n  " + "\n  ".join(printed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks themselves, shown failing: a small page printed by tools/print_pdf.py.
+
+_PLANTED_PAGE = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><style>
+/* MyST-NB's fade-in of an opened cell, slowed down: printed during it, the code is invisible
+   unless the print path stops the animation. */
+@keyframes planted-fade { from { opacity: 0; } to { opacity: 1; } }
+details.hide[open] > .cell_input { animation: planted-fade 600s; }
+</style></head><body><article class="bd-article">
+<section id="front"><h1>Planted front page</h1><p>The front page.</p></section>
+<div class="toctree-wrapper">
+<span id="document-chapters/alpha"></span><section id="alpha"><h2>1. Planted alpha</h2>
+<details class="hide above-input"><summary>Show code cell source</summary>
+<div class="cell_input"><div class="highlight"><pre>animated_cell_line = compute_the_planted_value(1)</pre></div></div>
+</details>
+<div class="cell"><div class="highlight"><pre>visible_cell_line = compute_the_planted_value(2)</pre></div></div>
+<div class="cell"><div class="highlight"><pre style="opacity: 0">blank_cell_line = compute_the_planted_value(3)</pre></div></div>
+<div class="cell"><div class="highlight"><pre style="color: transparent">clear_cell_line = compute_the_planted_value(4)</pre></div></div>
+<p>A short paragraph, and then a forced page break leaves the rest of this page blank.</p>
+<p style="break-before: page">The next page of the same chapter.</p>
+<section id="alpha-section"><h3>A section</h3><p>Its text, to the end of the page.</p>
+<div style="height: 200mm"></div><p>The last line.</p></section>
+</section>
+<span id="document-chapters/beta"></span><section id="beta"><h2>2. Planted beta</h2>
+<p>The second chapter, which must start on a new page.</p></section>
+</div></article></body></html>
+"""
+
+
+@pytest.fixture(scope="module")
+def planted_pdf(tmp_path_factory):
+    """A small page printed by tools/print_pdf.py (chapters, cells, a forced break)."""
+    import pymupdf
+
+    spec = importlib.util.spec_from_file_location("print_pdf", ROOT / "tools" / "print_pdf.py")
+    print_pdf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(print_pdf)
+    site = tmp_path_factory.mktemp("planted-site")
+    (site / "index.html").write_text(_PLANTED_PAGE)
+    destination = site / "planted.pdf"
+    print_pdf.print_pdf(site, destination)
+    with pymupdf.open(destination) as doc:
+        yield doc
+
+
+def test_blank_code_check_reports_a_planted_blank_box(planted_pdf):
+    sources = [f"{name}_cell_line = compute_the_planted_value({i})"
+               for i, name in enumerate(["animated", "visible", "blank", "clear"], start=1)]
+    lines = code_lines(sources)
+    assert blank_code(planted_pdf, lines) == [_squash(sources[2]), _squash(sources[3])]
+
+
+def test_page_checks_report_a_planted_blank_page(planted_pdf):
+    # Page 1: the front page, which ends its chapter; page 2: alpha's first page, cut short by
+    # the forced break; page 3: its section; page 4: beta.
+    assert planted_pdf.page_count == 4
+    assert [page for page, _ in nearly_blank_pages(planted_pdf)] == [2]
+    titles = ["Planted front page", "1. Planted alpha", "2. Planted beta"]
+    assert outline_problems(planted_pdf, titles) == []
+    assert [(level, title) for level, title, _ in planted_pdf.get_toc()] == [
+        (1, titles[0]), (1, titles[1]), (2, "A section"), (1, titles[2])]
+    assert outline_problems(planted_pdf, titles + ["3. Planted gamma"]) == [
+        "'3. Planted gamma' is not a top-level entry of the outline (after '2. Planted beta')"]

@@ -9,11 +9,21 @@ One test per HTML file of _build/html, so that a failure names the page. A page 
 * any link into the build that does not resolve: the target file must exist and its
   #fragment must be the id of an element of the target page,
 * any MathJax error, and any math that was not typeset: after MathJax.startup.promise every
-  element of class "math" holds an <mjx-container>, and no raw TeX delimiter (\\( \\) \\[ \\] $$)
-  is left in the visible text outside code,
+  element of class "math" holds an <mjx-container>, and no raw TeX (a delimiter \\( \\) \\[ \\]
+  $ or $$, or a \\begin{) is left in the visible text outside code,
+* any equation that renders less than its source says: every letter of an equation's TeX
+  (outside command names, environment names and spacing) must appear in MathJax's rendering
+  of it, counted with multiplicity, so that an equation whose left-hand side TeX swallowed
+  (``\\begin{aligned}[Q_i | K_i | V_i] = ...``: the bracket is read as aligned's position
+  option) is reported; and no inline math may hold prose (Markdown emphasis or a run of
+  words: what a stray $ does to the text that follows it),
+* any citation whose label is not readable: the literature's alpha labels ([VSP+17]) and
+  the source notes' [note 004], never a label mangled out of a name ([Sourcen00425]),
 * any display equation, table, code block or printed output wider than the text column at a
   1280 px window (content a reader would have to scroll sideways to see), and, at a 400 px
-  window, anything wider than its box that is cut instead of scrolling.
+  window (a phone), any page that scrolls sideways as a whole or whose text column is cut,
+  and any wide equation, table, code block or output that does not scroll inside its own
+  box (the element or its wrapper, lying within the window).
 
 Every page of the build is opened, search.html included: both are plain
 local pages (search.html loads searchindex.js from the build).
@@ -22,9 +32,11 @@ Build the book first (`make book`); `make test` does both.
 """
 from __future__ import annotations
 
+import html
 import html.parser
 import posixpath
 import re
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -34,7 +46,9 @@ import pytest
 
 BUILD = Path(__file__).resolve().parents[2] / "_build" / "html"
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
-RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$")
+# A TeX delimiter, a lone $ (a $$ display that Markdown split, as in a list item) included,
+# or an environment that was never typeset.
+RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$|\\begin\{")
 
 
 def _pages() -> list:
@@ -106,17 +120,29 @@ async () => {
   }
 
   const links = Array.from(document.querySelectorAll("a[href]")).map(a => ({
-    raw: a.getAttribute("href"), url: a.href }));
+    raw: a.getAttribute("href"), url: a.href, text: a.textContent.trim() }));
   const liveIds = Array.from(document.querySelectorAll("[id]")).map(el => el.id);
-  return { badImages, mathCount: mathElements.length, mathjax, untypeset, errors, texts, links, liveIds };
+  return { badImages, mathCount: mathElements.length, mathjax, untypeset, errors, texts, links, liveIds,
+           citationLabels: Array.from(document.querySelectorAll("div.citation > .label"))
+                                .map(el => el.textContent.replace(/[\[\]]/g, "").trim()) };
+}
+"""
+
+# Runs in the page after MathJax: the TeX source of every typeset equation next to MathJax's
+# internal MathML for it (what it renders), for the comparison of _math_problems.
+_MATH_JS = r"""
+() => {
+  if (!(window.MathJax && MathJax.startup && MathJax.startup.document && MathJax.startup.toMML)) return [];
+  return Array.from(MathJax.startup.document.getMathItemsWithin(document.body)).map(item => ({
+    tex: item.math, display: item.display, mml: MathJax.startup.toMML(item.root) }));
 }
 """
 
 
 # Runs in the page after MathJax: every display equation, table, code block and printed output
 # must fit the text column. `strict` (the 1280 px check) fails on anything wider than its
-# column, scrollbar or not; otherwise (the 400 px check) only content cut off without a
-# scrollbar fails. Each entry names the element by its text (the TeX of an equation).
+# column, scrollbar or not; otherwise (the 400 px check) wide content fails unless it scrolls
+# inside its own box, and the page may not scroll sideways. Each entry names the element by its text (the TeX of an equation).
 _OVERFLOW_JS = r"""
 (strict) => {
   const article = document.querySelector("article.bd-article") || document.body;
@@ -129,10 +155,16 @@ _OVERFLOW_JS = r"""
     }
   }
   const describe = (el) => (tex.get(el) || el.textContent || "").replace(/\s+/g, " ").trim().slice(0, 70);
+  // Wide content must scroll inside its own box: the element itself or the wrapper made for it
+  // (a table's scroll container, a code block's div.highlight), and that box must fit the
+  // window. A scrollbar further out would move the text around it too.
   const scrolls = (el) => {
-    for (let e = el; e && e !== article; e = e.parentElement) {
+    for (const e of [el, el.parentElement]) {
+      if (!e || e === article) break;
       const o = getComputedStyle(e).overflowX;
-      if ((o === "auto" || o === "scroll") && e.scrollWidth > e.clientWidth) return true;
+      const box = e.getBoundingClientRect();
+      if ((o === "auto" || o === "scroll") && e.scrollWidth > e.clientWidth
+          && box.left >= -1 && box.right <= window.innerWidth + 1) return true;
     }
     return false;
   };
@@ -150,8 +182,15 @@ _OVERFLOW_JS = r"""
       }
     }
   }
-  if (document.documentElement.scrollWidth > window.innerWidth + 1) {
-    problems.push(`the page itself is ${document.documentElement.scrollWidth} px wide in a ${window.innerWidth} px window`);
+  // No page-level horizontal scroll, and no column cut by the window (an ancestor that hides
+  // its overflow would keep the page's own width while cutting the text).
+  const pageWidth = Math.max(document.documentElement.scrollWidth, document.body.scrollWidth);
+  if (pageWidth > window.innerWidth + 1) {
+    problems.push(`the page itself is ${pageWidth} px wide in a ${window.innerWidth} px window`);
+  }
+  const columnBox = article.getBoundingClientRect();
+  if (columnBox.left < -1 || columnBox.right > window.innerWidth + 1) {
+    problems.push(`the text column spans ${Math.round(columnBox.left)} to ${Math.round(columnBox.right)} px in a ${window.innerWidth} px window`);
   }
   return problems;
 }
@@ -166,6 +205,92 @@ def _overflow_problems(page) -> list[str]:
     problems += [f"at 400 px: {p}" for p in page.evaluate(_OVERFLOW_JS, False)]
     page.set_viewport_size({"width": 1280, "height": 900})
     return problems
+
+
+# What of an equation's TeX draws nothing by itself: comments, environment names (and an array's
+# column spec), labels, colours, and the lengths of spacing commands and of a line break's
+# optional skip. A bracket after \begin{aligned} is NOT removed: TeX reads it as the position
+# option and drops it, which is the bug the comparison is for.
+_TEX_SILENT = re.compile(
+    r"(?<!\\)%[^\n]*"
+    r"|\\begin\{array\}\{[^{}]*\}|\\begin\{(?:alignat|alignedat)\*?\}\{\d+\}"
+    r"|\\(?:begin|end)\{[a-zA-Z*]+\}"
+    r"|\\(?:label|color|textcolor|hspace\*?|vspace\*?|mspace|rule)\{[^{}]*\}"
+    r"|\\(?:kern|mkern|mskip|hskip)\s*-?[\d.]+\s*(?:em|ex|mu|pt|px|cm|mm|in)"
+    r"|\\\\\s*\[[^\]]*\]"
+)
+_TEX_COMMAND = re.compile(r"\\(?:[a-zA-Z]+|.)", re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+# Prose inside inline math: Markdown emphasis, or four words in a row (outside \text{}).
+_PROSE_IN_MATH = re.compile(r"\*\*\s*[A-Za-z]|(?:\b[a-z]{2,}[ ,.:;]+){3}[a-z]{2,}\b")
+_TEXT_ARGUMENT = re.compile(r"\\(?:text|textrm|textit|textbf|mbox|operatorname\*?|mathrm|mathit|mathbf|mathsf|mathtt)\s*\{[^{}]*\}")
+
+
+def _source_letters(tex: str) -> Counter:
+    """The Latin letters an equation's TeX asks to be drawn, with multiplicity."""
+    return Counter(re.findall(r"[A-Za-z]", _TEX_COMMAND.sub(" ", _TEX_SILENT.sub(" ", tex))))
+
+
+def _rendered_letters(mml: str) -> Counter:
+    """The Latin letters in the token elements of MathJax's MathML (mi, mn, mo, mtext)."""
+    return Counter(re.findall(r"[A-Za-z]", html.unescape(_TAG.sub(" ", mml))))
+
+
+def _raw_tex_problems(texts: list[str]) -> list[str]:
+    """Raw TeX in the visible text outside code and typeset math, one entry per text."""
+    return [f"raw TeX {sorted({m.group(0) for m in RAW_TEX.finditer(t)})} left in the visible "
+            f"text: {' '.join(t.split())[:120]!r}" for t in texts if RAW_TEX.search(t)]
+
+
+def _math_problems(items: list[dict]) -> list[str]:
+    """Equations that render less than their TeX, and inline math that swallowed prose.
+
+    Each item is {"tex", "display", "mml"} (_MATH_JS). The letters of the source must all be
+    in the rendering; a letter the rendering lacks is a piece of the equation TeX consumed as
+    something else (an option, a length) instead of drawing it.
+    """
+    problems = []
+    for item in items:
+        kind = "display equation" if item["display"] else "inline math"
+        missing = _source_letters(item["tex"]) - _rendered_letters(item["mml"])
+        tex = " ".join(item["tex"].split())
+        if missing:
+            problems.append(f"{kind} renders without {''.join(sorted(missing.elements()))!r} of its "
+                            f"source (a lost left-hand side?): {tex[:110]!r}")
+        if not item["display"] and _PROSE_IN_MATH.search(_TEXT_ARGUMENT.sub(" ", item["tex"])):
+            problems.append(f"inline math holds prose (a stray $ before it?): {tex[:110]!r}")
+    return problems
+
+
+# Citation labels: the alpha labels of pybtex ([VSP+17], [Sha20], [BPRS18], with a letter
+# added to tell two apart) and the shorthand of the source notes ([note 004]).
+READABLE_CITATION = re.compile(r"[A-Z][A-Za-z]{1,3}\+?\d{2}[a-z]?|note \d{3}")
+
+
+def _citation_problems(base_url: str, links: list[dict], labels: list[str]) -> list[str]:
+    """Every citation on the page, and every label of a bibliography on it, is readable.
+
+    A citation is a link to a bibliography entry (an id of a div.citation in the build)."""
+    base = urlsplit(base_url)
+    cited = []
+    for link in links:
+        url = urlsplit(link["url"])
+        target = posixpath.normpath(unquote(url.path)[len(base.path):] or ".")
+        if url.netloc == base.netloc and unquote(url.fragment) in _citation_ids().get(target, ()):
+            cited.append(link["text"])
+    return [f"citation label {label!r} is not readable (expected e.g. [VSP+17] or [note 004])"
+            for label in sorted(set(cited + labels)) if not READABLE_CITATION.fullmatch(label)]
+
+
+@lru_cache(maxsize=None)
+def _citation_ids() -> dict[str, frozenset[str]]:
+    """The ids of the bibliography entries, by page: {"chapters/references.html": {...}}."""
+    found = {}
+    for path in BUILD.rglob("*.html"):
+        ids = re.findall(r'<div class="citation" id="([^"]+)"', path.read_text(encoding="utf-8"))
+        if ids:
+            found[path.relative_to(BUILD).as_posix()] = frozenset(ids)
+    return found
 
 
 def _check_links(page_rel: str, base_url: str, links: list[dict], live_ids: set[str]) -> list[str]:
@@ -238,6 +363,7 @@ def test_page(page_rel, book_server, browser_context):
         response = page.goto(url, wait_until="load")
         assert response is not None and response.ok, f"{page_rel}: HTTP {response and response.status}"
         state = page.evaluate(_INSPECT_JS)
+        math_items = page.evaluate(_MATH_JS)
         page.wait_for_load_state("networkidle", timeout=10_000)
         problems += _overflow_problems(page)
     finally:
@@ -250,10 +376,9 @@ def test_page(page_rel, book_server, browser_context):
         problems.append(f"{state['mathCount']} math elements but MathJax is {state['mathjax']}")
     problems += [f"math not typeset: {tex!r}" for tex in state["untypeset"]]
     problems += [f"MathJax error: {err!r}" for err in state["errors"]]
-    raw = sorted({m.group(0) for t in state["texts"] for m in RAW_TEX.finditer(t)})
-    if raw:
-        sample = next(t for t in state["texts"] if RAW_TEX.search(t)).strip()[:120]
-        problems.append(f"raw TeX {raw} left in the visible text, e.g. {sample!r}")
+    problems += _raw_tex_problems(state["texts"])
+    problems += _math_problems(math_items)
+    problems += _citation_problems(book_server, state["links"], state["citationLabels"])
 
     assert not problems, f"{page_rel}:\n  " + "\n  ".join(problems)
 
@@ -271,7 +396,11 @@ async () => {
   code.innerHTML = "<pre>" + "planted_wide_code_line = 1; ".repeat(12) + "</pre>";
   const table = document.createElement("table");
   table.innerHTML = "<tr>" + "<td>planted&nbsp;wide&nbsp;table&nbsp;cell</td>".repeat(12) + "</tr>";
-  article.append(math, code, table);
+  // The same table in the scroll container the theme gives every table of the book.
+  const wrapped = document.createElement("div");
+  wrapped.className = "pst-scrollable-table-container";
+  wrapped.innerHTML = "<table><tr>" + "<td>planted&nbsp;wrapped&nbsp;table&nbsp;cell</td>".repeat(12) + "</tr></table>";
+  article.append(math, code, table, wrapped);
   await MathJax.typesetPromise([math]);
 }
 """
@@ -290,4 +419,61 @@ def test_overflow_check_reports_planted_wide_content(book_server, browser_contex
     wide = [p for p in problems if p.startswith("at 1280 px")]
     assert any("display equation" in p and "x_{0} + x_{1}" in p for p in wide), problems
     assert any("code block" in p and "planted_wide_code_line" in p for p in wide), problems
-    assert any(p.startswith("at 1280 px: table") and "planted" in p for p in wide), problems
+    assert any(p.startswith("at 1280 px: table") and "planted wide" in p for p in wide), problems
+    assert any(p.startswith("at 1280 px: table") and "planted wrapped" in p for p in wide), problems
+    # At 400 px the equation, the code and the wrapped table scroll inside their own boxes
+    # (book/tfcore.css and the theme); the bare table is cut, and so reported.
+    narrow = [p for p in problems if p.startswith("at 400 px")]
+    assert any(p.startswith("at 400 px: table") and "cut without a scrollbar" in p
+               and "planted wide" in p for p in narrow), problems
+    assert not [p for p in narrow if "x_{0}" in p or "planted_wide_code" in p or "wrapped" in p], narrow
+
+
+# The math and citation checks themselves, shown failing: what chapter 12 once printed (a lone
+# $ around an equation Markdown had split, and an aligned block whose first left-hand side
+# TeX read as a position option) and a mangled citation label are added to a real page.
+_PLANT_MATH_JS = r"""
+async (citationHref) => {
+  const article = document.querySelector("article.bd-article");
+  const para = document.createElement("p");
+  para.innerHTML = 'so by the chain rule $<span class="math notranslate nohighlight">\\(dX = \\sum_r G_r\\)</span>$'
+                 + ' and <span class="math notranslate nohighlight">\\(\n the **identity**: each rank already holds the replicated \\)</span>G$.';
+  const display = document.createElement("div");
+  display.className = "math notranslate nohighlight";
+  display.textContent = "\\[\\begin{aligned}\n[Q_i \\mid K_i \\mid V_i] &= \\tilde X W^{qkv}_i + b^{qkv}_i\\\\\n"
+                      + "O_i &= \\operatorname{softmax}\\bigl(Q_i K_i^\\top/\\sqrt{D_h}\\bigr) V_i\n\\end{aligned}\\]";
+  const cite = document.createElement("p");
+  cite.innerHTML = `as the note says [<a class="reference internal" href="${citationHref}">Sourcen00425</a>]`;
+  article.append(para, display, cite);
+  await MathJax.typesetPromise([para, display]);
+}
+"""
+
+
+def test_math_and_citation_checks_report_planted_errors(book_server, browser_context):
+    bibliography, ids = sorted(_citation_ids().items())[0]
+    page = browser_context.new_page()
+    try:
+        page.goto(book_server + "index.html", wait_until="load")
+        before = page.evaluate(_INSPECT_JS)
+        before_math = page.evaluate(_MATH_JS)
+        page.evaluate(_PLANT_MATH_JS, f"{bibliography}#{sorted(ids)[0]}")
+        after = page.evaluate(_INSPECT_JS)
+        after_math = page.evaluate(_MATH_JS)
+    finally:
+        page.close()
+
+    def found(state, math):
+        return (_raw_tex_problems(state["texts"]) + _math_problems(math)
+                + _citation_problems(book_server, state["links"], state["citationLabels"]))
+
+    assert found(before, before_math) == [], "index.html must pass before planting"
+    problems = found(after, after_math)
+    assert any(p.startswith("raw TeX ['$']") and "chain rule $" in p for p in problems), problems
+    assert any(p.startswith("inline math holds prose") and "**identity**" in p for p in problems), problems
+    lost = [p for p in problems if p.startswith("display equation renders without")]
+    assert len(lost) == 1 and "'KQViii'" in lost[0] and "[Q_i \\\\mid K_i" in lost[0], problems
+    assert any("'Sourcen00425' is not readable" in p for p in problems), problems
+    # The labels the book uses are readable.
+    for label in ("VSP+17", "Sha20", "BPRS18", "KCL+23", "note 004", "ZS19a"):
+        assert READABLE_CITATION.fullmatch(label), label
