@@ -22,7 +22,7 @@ STAMP  := $(VENV)/.installed
 # Sphinx build forgets the warnings of unchanged pages and keeps pages that were removed.
 BOOK_OK := _build/html/.book-ok
 BOOK_SOURCES := index.md _config.yml _toc.yml references.bib chapters book/mathjax \
-    $(shell find chapters book -type f -not -path '*/.ipynb_checkpoints/*' 2>/dev/null)
+    $(shell find chapters book -type f -not -path '*/.ipynb_checkpoints/*' -not -path '*/__pycache__/*' 2>/dev/null)
 
 # pytest-xdist: notebooks are distributed whole (one kernel per notebook) over 2 workers.
 PYTEST_WORKERS ?= 2
