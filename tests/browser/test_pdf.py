@@ -148,6 +148,9 @@ def chapter_first_pages(doc) -> list[int]:
     return [page - 1 for level, _, page in doc.get_toc() if level == 1]
 
 
+BLOCK_GAP_FRACTION = 0.04
+
+
 def _figure_too_tall_for(page, next_page, extent: float) -> bool:
     """Whether next_page begins with an image taller than the room left on page (an image
     cannot break across pages: the room it leaves is no layout fault)."""
@@ -157,7 +160,9 @@ def _figure_too_tall_for(page, next_page, extent: float) -> bool:
     if not images:
         return False
     first = min(images, key=lambda box: box[1])
-    room = (1 - extent) * page.rect.height * (1 - 2 * MARGIN_FRACTION)
+    # The room left below the last ink, less the space that separates an output from the
+    # block above it (the cell's margin and the output area's padding, about 4% of a page).
+    room = ((1 - extent) * (1 - 2 * MARGIN_FRACTION) - BLOCK_GAP_FRACTION) * page.rect.height
     return first[1] <= min(lines, default=first[1]) + 1 and first[3] - first[1] > room
 
 

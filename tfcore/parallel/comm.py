@@ -770,6 +770,9 @@ class MPIComm(Communicator):
                        self.timeout)
 
 
+ABORT_GRACE_SECONDS = 1.0
+
+
 @contextlib.contextmanager
 def abort_on_error(stream=None):
     """Run an MPI rank's code so that an exception on any rank ends the whole job.
@@ -789,7 +792,11 @@ def abort_on_error(stream=None):
 
         stream = stream or sys.stderr
         rank = MPI.COMM_WORLD.Get_rank()
-        traceback.print_exception(type(err), err, err.__traceback__, file=stream)
-        print(f"rank {rank}: {type(err).__name__}: {err}", file=stream, flush=True)
+        report = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        stream.write(report + f"rank {rank}: {type(err).__name__}: {err}\n")   # one write
+        stream.flush()
+        # mpiexec forwards a rank's stderr through a proxy that MPI_Abort tears down at once:
+        # give it a moment to pass the report on, or the job ends without saying why.
+        time.sleep(ABORT_GRACE_SECONDS)
         MPI.COMM_WORLD.Abort(1)
         os._exit(1)                       # MPI_Abort may return before the job is torn down
