@@ -170,24 +170,22 @@ class _nothing:
 
 
 def test_the_tiled_attention_opt_in_gives_the_dense_gradients():
-    """`--tfcore-attention tiled` swaps the decoder's attention for the tiled kernel: the same
-    loss and parameter gradients in float64 (1e-12), and the dense attention back after."""
+    """`--tfcore-attention tiled` builds the benchmark's decoder with attention="tiled" (the
+    fused kernel on NumPy): the same loss and parameter gradients in float64 (1e-12)."""
     import numpy as np
 
-    from tfcore.models import DecoderConfig, DecoderLM, blocks
+    from tfcore.models import DecoderLM
 
-    cfg = DecoderConfig(vocab_size=13, max_seq_len=70, d_model=16, n_layers=2, n_heads=2,
-                        dtype="float64")
-    ids = np.random.default_rng(0).integers(0, 13, size=(2, 70))
     grads, losses = [], []
-    before = blocks.attention_forward
     for tiled in (False, True):
+        cfg, _, _ = bench.decoder_config("tiny", "float64", tiled)
+        assert cfg.attention == ("tiled" if tiled else "dense")
+        cfg.max_seq_len, cfg.n_layers = 70, 2
         model = DecoderLM(cfg).init(seed=0)
-        with (bench.tiled_attention_in_decoder() if tiled else _nothing()):
-            _, loss = model.forward(ids, ids, training=True)
-            model.backward()
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 70))
+        _, loss = model.forward(ids, ids, training=True)
+        model.backward()
         losses.append(float(loss))
         grads.append(np.array(model.params.grad))
-    assert blocks.attention_forward is before
     assert abs(losses[1] - losses[0]) <= 1e-12 * abs(losses[0])
     assert np.linalg.norm(grads[1] - grads[0]) <= 1e-12 * np.linalg.norm(grads[0])

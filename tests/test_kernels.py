@@ -421,3 +421,31 @@ def test_tiled_attention_rejects_bad_input(rng):
         kernels.tiled_attention_forward(q, q[:, :, :3].copy(), q[:, :, :3].copy(), True, 0.5)
     with pytest.raises(ValueError, match="lse must have shape"):
         kernels.tiled_attention_backward(q, q, q, q, q, np.zeros((1, 2, 5)), False, 0.5)
+
+
+@needs_numba
+@pytest.mark.parametrize("causal,s_q,s_k", [(True, 70, 70), (True, 33, 70), (False, 40, 70)])
+def test_tiled_attention_op_dispatches_to_the_kernel(rng, causal, s_q, s_k):
+    """F.tiled_attention_* runs the kernel on views of a fused qkv (copied for the call, the
+    cache keeping the views as the reference path does), equals its own reference path in
+    float64, and either path's cache goes to either backward; masks other than the causal
+    one, or dropout, run the reference."""
+    qkv = randn(rng, (2, 3, s_k, 24), "float64")
+    q = np.ascontiguousarray(qkv[:, :, s_k - s_q:, :8])
+    k, v = qkv[:, :, :, 8:16], qkv[:, :, :, 16:]                     # strided views
+    dout = randn(rng, (2, 3, s_q, 8), "float64")
+    fast_out, fast_cache = F.tiled_attention_forward(q, k, v, causal=causal, block_size=16)
+    assert fast_cache[1] is k and fast_cache[2] is v                 # views, not copies
+    with kernels.disabled():
+        ref_out, ref_cache = F.tiled_attention_forward(q, k, v, causal=causal, block_size=16)
+        ref_grads = F.tiled_attention_backward(dout, ref_cache)
+        cross_ref = F.tiled_attention_backward(dout, fast_cache)
+    assert rel(fast_out, ref_out) <= 1e-12
+    for grads in (F.tiled_attention_backward(dout, fast_cache), cross_ref,
+                  F.tiled_attention_backward(dout, ref_cache)):
+        for grad, ref in zip(grads, ref_grads):
+            assert rel(grad, ref) <= 1e-12, rel(grad, ref)
+    padding = np.zeros((2, s_k), dtype=bool)
+    with_padding = F.tiled_attention_forward(q, k, v, key_padding=padding, causal=causal)
+    assert with_padding[1][5]["key_padding"] is not None            # the reference's cache
+    assert rel(with_padding[0], ref_out) <= 1e-12                  # nothing padded here

@@ -37,7 +37,6 @@ median rate of other processes' CPU use over all windows of the row, kept or dro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import gc
 import inspect
@@ -69,10 +68,12 @@ LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 DTYPES = ("float32", "float64")
 
 
-def decoder_config(name: str, dtype: str) -> tuple[DecoderConfig, int, int]:
+def decoder_config(name: str, dtype: str, tiled: bool = False
+                   ) -> tuple[DecoderConfig, int, int]:
     c = CONFIGS[name]
     cfg = DecoderConfig(vocab_size=c["vocab_size"], max_seq_len=c["seq"], d_model=c["d_model"],
-                        n_layers=c["n_layers"], n_heads=c["n_heads"], dtype=dtype)
+                        n_layers=c["n_layers"], n_heads=c["n_heads"], dtype=dtype,
+                        attention="tiled" if tiled else "dense")
     return cfg, c["batch"], c["seq"]
 
 
@@ -393,57 +394,15 @@ def _memory_child(name, dtype, library, attention, tiled):
     backend.set_backend("numpy")
     _fix_malloc()
     set_threads(1)
-    cfg, batch, seq = decoder_config(name, dtype)
+    cfg, batch, seq = decoder_config(name, dtype, tiled)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
     step = TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])
     if library == "torch":
         step = TorchStep(cfg, step.model.params, tokens[:, :-1], tokens[:, 1:], attention)
-    with tiled_attention_in_decoder() if tiled else contextlib.nullcontext():
-        step()
-        rss = rss_peak_bytes(step)
+    step()
+    rss = rss_peak_bytes(step)
     return None if rss is None else rss + step.state_bytes()
-
-
-# -- tiled attention in the decoder (an explicit opt-in of the benchmark) -------------------
-
-@contextlib.contextmanager
-def tiled_attention_in_decoder():
-    """Inside the block, the decoder's attention runs tfcore.kernels' tiled attention where it
-    applies (NumPy float arrays, no dropout while training, no masks but the causal one):
-    q, k, v are copied contiguous, the cache is (q, k, v, out, lse, causal, scale)."""
-    from .models import blocks
-
-    dense_forward, dense_backward = blocks.attention_forward, blocks.attention_backward
-
-    def attention_forward(q, k, v, mask=None, key_padding=None, causal=False, dropout_p=0.0,
-                          rng=None, training=True):
-        if (mask is None and key_padding is None and (dropout_p == 0 or not training)
-                and kernels.applies(q, k, v, contiguous=False)
-                and (not causal or q.shape[2] <= k.shape[2])):
-            q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
-            scale = 1.0 / math.sqrt(q.shape[-1])
-            out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
-            return out, _TiledCache((q, k, v, out, lse, causal, scale))
-        return dense_forward(q, k, v, mask=mask, key_padding=key_padding, causal=causal,
-                             dropout_p=dropout_p, rng=rng, training=training)
-
-    def attention_backward(dout, cache):
-        if isinstance(cache, _TiledCache):
-            q, k, v, out, lse, causal, scale = cache
-            return kernels.tiled_attention_backward(np.ascontiguousarray(dout), q, k, v, out,
-                                                    lse, causal, scale)
-        return dense_backward(dout, cache)
-
-    blocks.attention_forward, blocks.attention_backward = attention_forward, attention_backward
-    try:
-        yield
-    finally:
-        blocks.attention_forward, blocks.attention_backward = dense_forward, dense_backward
-
-
-class _TiledCache(tuple):
-    """The tiled attention's cache (q, k, v, out, lse, causal, scale), told apart by type."""
 
 
 # -- one configuration ---------------------------------------------------------------------
@@ -490,7 +449,7 @@ def _timed_rounds(steps, meter, repeats, max_load, per_window, max_rounds, budge
 def run_config(name, dtype, *, repeats=7, use_torch=True, peak=None, attention="sdpa",
                warmup=2, max_load=0.1, min_window=0.5, meter=None, tiled=False, budget=300.0):
     """Time the tfcore step (and PyTorch's) of one configuration -> a dict (one table row)."""
-    cfg, batch, seq = decoder_config(name, dtype)
+    cfg, batch, seq = decoder_config(name, dtype, tiled)
     meter = meter or LoadMeter()
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
@@ -674,8 +633,8 @@ class Profiler:
         return False
 
 
-def profile(name, dtype, steps=5, warmup=2):
-    cfg, batch, seq = decoder_config(name, dtype)
+def profile(name, dtype, steps=5, warmup=2, tiled=False):
+    cfg, batch, seq = decoder_config(name, dtype, tiled)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
     step = TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])
@@ -773,8 +732,8 @@ def parse_args(argv=None):
                         help="PyTorch's scaled_dot_product_attention (default) or "
                              "softmax(QK^T)V written out")
     parser.add_argument("--tfcore-attention", choices=["dense", "tiled"], default="dense",
-                        help="tfcore's decoder with its dense attention (default) or with "
-                             "tfcore.kernels' tiled attention (opt-in)")
+                        help="tfcore's decoder with dense attention (default) or "
+                             "attention='tiled' (online softmax, the fused kernel on NumPy)")
     parser.add_argument("--profile", action="store_true", help="op-by-op profile of tfcore")
     parser.add_argument("--json", metavar="PATH", help="also save the table as JSON here")
     parser.add_argument("--show", metavar="PATH", help="print a saved table and exit")
@@ -836,15 +795,14 @@ def main(argv=None):
             flush=True)
         for name in args.configs:
             for dtype in args.dtypes:
-                with tiled_attention_in_decoder() if tiled else contextlib.nullcontext():
-                    if args.profile:
-                        print(profile(name, dtype), flush=True)
-                        continue
-                    row = run_config(name, dtype, repeats=args.repeats, use_torch=use_torch,
-                                     peak=meta["peaks"][f"{dtype} {threads}thr"],
-                                     attention=args.torch_attention, max_load=args.max_load,
-                                     min_window=args.min_window, meter=meter, tiled=tiled,
-                                     budget=args.budget)
+                if args.profile:
+                    print(profile(name, dtype, tiled=tiled), flush=True)
+                    continue
+                row = run_config(name, dtype, repeats=args.repeats, use_torch=use_torch,
+                                 peak=meta["peaks"][f"{dtype} {threads}thr"],
+                                 attention=args.torch_attention, max_load=args.max_load,
+                                 min_window=args.min_window, meter=meter, tiled=tiled,
+                                 budget=args.budget)
                 row["threads"] = threads
                 rows.append(row)
                 t = row["tfcore"]

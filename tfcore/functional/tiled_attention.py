@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks
+import numpy as np
+
+from .. import backend, checks, kernels
 from .attention import _causal_table, _first_masked_row, _float_table
 from .softmax import _check_mask
 
@@ -150,6 +152,12 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     settings = dict(causal=causal, scale=scale, block_size=block_size, mask=mask,
                     key_padding=padding, dropout_p=dropout_p if seed is not None else 0.0,
                     seed=seed)
+    if _kernel_applies(q, k, v, settings):
+        # the fused CPU kernel (tfcore.kernels): the same tiles, blocks of its own size; it
+        # reads C-contiguous arrays, so views (a fused qkv's) are copied for the call only and
+        # the cache keeps the arrays it was given, as the reference path does
+        out, lse = kernels.tiled_attention_forward(*_contiguous(q, k, v), causal, scale)
+        return out, (q, k, v, out, lse, settings)
 
     m = xp.full((batch, heads, s_q, 1), -math.inf, dtype=dtype)     # running row max
     l = xp.zeros((batch, heads, s_q, 1), dtype=dtype)               # running sum exp(z - m)
@@ -177,6 +185,16 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     out = acc / l                                                   # [B, H, S_q, D_v]
     lse = xp.reshape(m + xp.log(l), (batch, heads, s_q))            # [B, H, S_q]
     return out, (q, k, v, out, lse, settings)
+
+
+def _contiguous(*arrays):
+    return [np.ascontiguousarray(a) for a in arrays]
+
+
+def _kernel_applies(q, k, v, settings) -> bool:
+    """The fused kernel takes NumPy float arrays with no mask but the causal one, no dropout."""
+    return (settings["mask"] is None and settings["key_padding"] is None
+            and settings["seed"] is None and kernels.applies(q, k, v, contiguous=False))
 
 
 def _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal):
@@ -212,6 +230,10 @@ def tiled_attention_backward(dout, cache):
     """
     q, k, v, out, lse, settings = cache
     checks.upstream_like("dout", dout, out)
+    if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):
+        dout, q, k, v = _contiguous(dout, q, k, v)
+        return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],
+                                                settings["scale"])
     xp = backend.namespace(q, k, v, dout)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
