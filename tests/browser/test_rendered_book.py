@@ -262,9 +262,10 @@ def _math_problems(items: list[dict]) -> list[str]:
     return problems
 
 
-# Citation labels: the alpha labels of pybtex ([VSP+17], [Sha20], [BPRS18], with a letter
-# added to tell two apart) and the shorthand of the source notes ([note 004]).
-READABLE_CITATION = re.compile(r"[A-Z][A-Za-z]{1,3}\+?\d{2}[a-z]?|note \d{3}")
+# Citation labels: the alpha labels of pybtex ([VSP+17], [Sha20], [BPRS18], [ALTdJ+23] for a
+# "de Jong", with a letter added to tell two apart) and the shorthand of the source notes
+# ([note 004]).
+READABLE_CITATION = re.compile(r"[A-Z][A-Za-z]{1,5}\+?\d{2}[a-z]?|note \d{3}")
 
 
 def _citation_problems(base_url: str, links: list[dict], labels: list[str]) -> list[str]:
