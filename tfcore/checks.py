@@ -170,6 +170,20 @@ def probability(name: str, value) -> float:
     return value
 
 
+def generator(name: str, rng):
+    """A random generator from tfcore.backend.default_rng(seed), which dropout in training
+    needs; an int seed is refused: re-seeding at every call would repeat one mask."""
+    if rng is None:
+        raise ValueError(f"dropout in training needs an {name}: pass "
+                         "tfcore.backend.default_rng(seed)")
+    if not callable(getattr(rng, "random", None)):
+        raise TypeError(
+            f"{name} must be a generator from tfcore.backend.default_rng(seed), got "
+            f"{type(rng).__name__} {rng!r} (a seed would repeat one mask at every call)"
+        )
+    return rng
+
+
 def boolean(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")

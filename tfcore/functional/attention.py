@@ -33,6 +33,43 @@ def _causal_table(xp, s_q: int, s_k: int, dtype):
     return _float_table(xp, cols > rows + (s_k - s_q), dtype)
 
 
+def _check_settings(q, k, v, causal, dropout_p, training):
+    """q [B, H, S_q, D_h], k [B, H, S_k, D_h], v [B, H, S_k, D_v] of one float dtype and
+    library, and the settings -> (the namespace, causal, dropout_p, training)."""
+    xp = checks.float_inputs(q=q, k=k, v=v)
+    causal = checks.boolean("causal", causal)
+    dropout_p = checks.probability("dropout_p", dropout_p)
+    training = checks.boolean("training", training)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.ndim(name, x, 4)
+    batch, heads, _, d_h = q.shape
+    checks.shape("k", k, (batch, heads, None, d_h))
+    checks.shape("v", v, (batch, heads, k.shape[2], None))
+    return xp, causal, dropout_p, training
+
+
+def _check_causal_lengths(s_q: int, s_k: int) -> None:
+    if s_q > s_k:
+        raise ValueError(
+            f"causal attention needs S_k >= S_q (the queries are the last S_q of the "
+            f"keys' positions), got S_q={s_q}, S_k={s_k}"
+        )
+
+
+def _key_padding_table(xp, q, key_padding, batch: int, s_k: int):
+    """key_padding [B, S_k] bool (True = padded) -> [B, 1, 1, S_k]: -inf where padded, else 0,
+    in q's dtype; checked to be a bool array of q's library and shape."""
+    checks.array("key_padding", key_padding)
+    checks.same_library(q=q, key_padding=key_padding)
+    if not xp.isdtype(key_padding.dtype, "bool"):
+        raise TypeError(
+            f"key_padding must be a bool array (True = padded key), "
+            f"got {checks.dtype_name(key_padding)}"
+        )
+    checks.shape("key_padding", key_padding, (batch, s_k))
+    return xp.reshape(_float_table(xp, key_padding, q.dtype), (batch, 1, 1, s_k))
+
+
 def _first_masked_row(xp, row_max):
     """(b, h, i) of the first query with no key left, for the error message."""
     flat = xp.reshape(row_max == -math.inf, (-1,))
@@ -67,16 +104,9 @@ def attention_forward(
     probabilities A' = A * keep / (1 - p); the scores themselves are never needed again.
     Masks are constants: they get no gradient.
     """
-    xp = checks.float_inputs(q=q, k=k, v=v)
-    causal = checks.boolean("causal", causal)
-    dropout_p = checks.probability("dropout_p", dropout_p)
-    training = checks.boolean("training", training)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.ndim(name, x, 4)
+    xp, causal, dropout_p, training = _check_settings(q, k, v, causal, dropout_p, training)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
-    checks.shape("k", k, (batch, heads, None, d_h))
-    checks.shape("v", v, (batch, heads, s_k, None))
     dtype = q.dtype
     scale = 1.0 / math.sqrt(d_h)
     if (mask is None and key_padding is None and s_q <= s_k
@@ -86,22 +116,10 @@ def attention_forward(
     z = matmul(q, xp.matrix_transpose(k), "attention")              # [B, H, S_q, S_k]
     z *= scale
     if causal:
-        if s_q > s_k:
-            raise ValueError(
-                f"causal attention needs S_k >= S_q (the queries are the last S_q of the "
-                f"keys' positions), got S_q={s_q}, S_k={s_k}"
-            )
+        _check_causal_lengths(s_q, s_k)
         z += _causal_table(xp, s_q, s_k, dtype)                    # [S_q, S_k]
     if key_padding is not None:
-        checks.array("key_padding", key_padding)
-        checks.same_library(q=q, key_padding=key_padding)
-        if not xp.isdtype(key_padding.dtype, "bool"):
-            raise TypeError(
-                f"key_padding must be a bool array (True = padded key), "
-                f"got {checks.dtype_name(key_padding)}"
-            )
-        checks.shape("key_padding", key_padding, (batch, s_k))
-        z += xp.reshape(_float_table(xp, key_padding, dtype), (batch, 1, 1, s_k))
+        z += _key_padding_table(xp, q, key_padding, batch, s_k)    # [B, 1, 1, S_k]
     if mask is not None:
         _check_mask(mask, z)
         z += mask

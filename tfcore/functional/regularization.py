@@ -22,13 +22,7 @@ def dropout_forward(x, p: float, rng=None, training: bool = True):
     like = (tuple(x.shape), x.dtype, xp)
     if not training or p == 0.0:
         return x, (None, 1.0, like)
-    if rng is None:
-        raise ValueError("dropout in training needs an rng: pass tfcore.backend.default_rng(seed)")
-    if not callable(getattr(rng, "random", None)):
-        raise TypeError(
-            f"rng must be a generator from tfcore.backend.default_rng(seed), got "
-            f"{type(rng).__name__} {rng!r} (a seed would repeat one mask at every call)"
-        )
+    checks.generator("rng", rng)
     keep = backend.uniform(rng, tuple(x.shape), like=x) >= p
     scale = 1.0 / (1.0 - p)
     y = xp.astype(keep, x.dtype)

@@ -25,7 +25,8 @@ import math
 import numpy as np
 
 from .. import backend, checks, kernels
-from .attention import _causal_table, _first_masked_row, _float_table
+from .attention import (_causal_table, _check_causal_lengths, _check_settings,
+                        _first_masked_row, _key_padding_table)
 from .softmax import _check_mask
 
 # splitmix64's constants: the golden-ratio increment and the two finalizer multipliers
@@ -82,13 +83,7 @@ def dropout_keep(seed: int, shape: tuple, rows: tuple, cols: tuple, p: float, li
 
 def _draw_seed(rng, like) -> int:
     """One 53-bit seed from `rng` (validated as dropout_forward validates it)."""
-    if rng is None:
-        raise ValueError("dropout in training needs an rng: pass tfcore.backend.default_rng(seed)")
-    if not callable(getattr(rng, "random", None)):
-        raise TypeError(
-            f"rng must be a generator from tfcore.backend.default_rng(seed), got "
-            f"{type(rng).__name__} {rng!r} (a seed would repeat one mask at every call)"
-        )
+    checks.generator("rng", rng)
     draw = backend.to_numpy(backend.uniform(rng, (1,), like=like))
     return int(float(draw[0]) * 2.0 ** 53)
 
@@ -111,38 +106,20 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     block_size, mask, key_padding, dropout_p, seed; seed None without dropout). Nothing of
     size S_q * S_k is kept. A query whose keys are all masked raises ValueError.
     """
-    xp = checks.float_inputs(q=q, k=k, v=v)
-    causal = checks.boolean("causal", causal)
-    dropout_p = checks.probability("dropout_p", dropout_p)
-    training = checks.boolean("training", training)
+    xp, causal, dropout_p, training = _check_settings(q, k, v, causal, dropout_p, training)
     block_size = checks.integer("block_size", block_size, least=1)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.ndim(name, x, 4)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
-    checks.shape("k", k, (batch, heads, None, d_h))
-    checks.shape("v", v, (batch, heads, s_k, None))
     checks.width("q", q, "D_h")
     d_v = checks.width("v", v, "D_v")
     scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
     dtype = q.dtype
     full = (batch, heads, s_q, s_k)
-    if causal and s_q > s_k:
-        raise ValueError(
-            f"causal attention needs S_k >= S_q (the queries are the last S_q of the "
-            f"keys' positions), got S_q={s_q}, S_k={s_k}"
-        )
+    if causal:
+        _check_causal_lengths(s_q, s_k)
     padding = None
     if key_padding is not None:
-        checks.array("key_padding", key_padding)
-        checks.same_library(q=q, key_padding=key_padding)
-        if not xp.isdtype(key_padding.dtype, "bool"):
-            raise TypeError(
-                f"key_padding must be a bool array (True = padded key), "
-                f"got {checks.dtype_name(key_padding)}"
-            )
-        checks.shape("key_padding", key_padding, (batch, s_k))
-        padding = xp.reshape(_float_table(xp, key_padding, dtype), (batch, 1, 1, s_k))
+        padding = _key_padding_table(xp, q, key_padding, batch, s_k)  # [B, 1, 1, S_k]
     if mask is not None:
         _check_mask(mask, xp.broadcast_to(xp.zeros((1, 1, 1, 1), dtype=dtype), full))
         mask = xp.broadcast_to(mask, full)                          # a view, never a copy

@@ -139,18 +139,25 @@ def _chunks(n_rows: int) -> int:
 CHUNK = 16384
 
 
+def _gelu_tanh_t_chunk(x, t):
+    """t = tanh(sqrt(2/pi) x (1 + 0.044715 x^2)), the reference's sequence, into t [n]."""
+    from ..functional import activations as act
+
+    with np.errstate(over="ignore"):   # tanh(+-inf) = +-1 for |x| past ~1e19 (float32)
+        np.multiply(x, x, out=t)
+        t *= act._GELU_CUBIC
+        t += 1.0
+        t *= x
+        t *= act._SQRT_2_OVER_PI
+    np.tanh(t, out=t)
+
+
 def _gelu_forward_chunk(x, y, approximate, t):
     """x [n] -> y [n] (flat chunks); t [n] scratch."""
     from ..functional import activations as act
 
     if approximate == "tanh":
-        with np.errstate(over="ignore"):   # tanh(+-inf) = +-1 for |x| past ~1e19 (float32)
-            np.multiply(x, x, out=t)
-            t *= act._GELU_CUBIC
-            t += 1.0
-            t *= x
-            t *= act._SQRT_2_OVER_PI
-        np.tanh(t, out=t)                                    # t
+        _gelu_tanh_t_chunk(x, t)
         t += 1.0
         t *= 0.5                             # exact, and (1 + t) x would overflow near max
         np.multiply(t, x, out=y)                             # 0.5 (1 + t) x
@@ -169,13 +176,7 @@ def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
     from ..functional import activations as act
 
     if approximate == "tanh":
-        with np.errstate(over="ignore"):   # as in the forward
-            np.multiply(x, x, out=t)
-            t *= act._GELU_CUBIC
-            t += 1.0
-            t *= x
-            t *= act._SQRT_2_OVER_PI
-        np.tanh(t, out=t)                                    # t
+        _gelu_tanh_t_chunk(x, t)
         du = np.clip(x, -act._GELU_CLIP, act._GELU_CLIP, out=w)  # 1 - t^2 = 0 past the clip
         du *= du
         du *= 3.0 * act._GELU_CUBIC
