@@ -25,9 +25,12 @@ import math
 import numpy as np
 
 from .. import backend, checks, kernels
+from ..backend import matmul
 from .attention import (_causal_table, _check_causal_lengths, _check_settings,
                         _first_masked_row, _key_padding_table)
 from .softmax import _check_mask
+
+TILED = "tiled attention"   # the label of its products in backend.count_matmuls()
 
 # splitmix64's constants: the golden-ratio increment and the two finalizer multipliers
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -150,7 +153,8 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
         l[:, :, i0:i1, :] = rescale * l[:, :, i0:i1, :] + xp.sum(p, axis=-1, keepdims=True)
         if seed is not None:
             p = p * _dropout_factor(xp, settings, full, i0, i1, j0, j1, dtype, q)
-        acc[:, :, i0:i1, :] = rescale * acc[:, :, i0:i1, :] + xp.matmul(p, v[:, :, j0:j1, :])
+        pv = matmul(p, v[:, :, j0:j1, :], TILED)                    # [B, H, bq, D_v]
+        acc[:, :, i0:i1, :] = rescale * acc[:, :, i0:i1, :] + pv
         m[:, :, i0:i1, :] = m_new
     if causal or key_padding is not None or mask is not None:
         if bool(xp.any(m == -math.inf)):
@@ -177,7 +181,7 @@ def _kernel_applies(q, k, v, settings) -> bool:
 def _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal):
     """One tile of the masked, scaled scores: z [B, H, i1 - i0, j1 - j0]."""
     s_q, s_k = full[2], full[3]
-    z = xp.matmul(q[:, :, i0:i1, :], xp.matrix_transpose(k[:, :, j0:j1, :]))
+    z = matmul(q[:, :, i0:i1, :], xp.matrix_transpose(k[:, :, j0:j1, :]), TILED)
     z *= settings["scale"]
     if diagonal:
         z += _causal_table(xp, s_q, s_k, z.dtype)[i0:i1, j0:j1]
@@ -227,15 +231,15 @@ def tiled_attention_backward(dout, cache):
         z = _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal)  # [B, H, bq, bk]
         p = xp.exp(z - lse[:, :, i0:i1, :])                         # masked entries: 0
         g = dout[:, :, i0:i1, :]                                    # [B, H, bq, D_v]
-        dp = xp.matmul(g, xp.matrix_transpose(v[:, :, j0:j1, :]))   # [B, H, bq, bk]
+        dp = matmul(g, xp.matrix_transpose(v[:, :, j0:j1, :]), TILED)  # [B, H, bq, bk]
         if settings["seed"] is not None:
             factor = _dropout_factor(xp, settings, full, i0, i1, j0, j1, dtype, q)
-            dv[:, :, j0:j1, :] += xp.matmul(xp.matrix_transpose(p * factor), g)
+            dv[:, :, j0:j1, :] += matmul(xp.matrix_transpose(p * factor), g, TILED)
             dp *= factor
         else:
-            dv[:, :, j0:j1, :] += xp.matmul(xp.matrix_transpose(p), g)
+            dv[:, :, j0:j1, :] += matmul(xp.matrix_transpose(p), g, TILED)
         dz = p * (dp - big_d[:, :, i0:i1, :])
         dz *= scale
-        dq[:, :, i0:i1, :] += xp.matmul(dz, k[:, :, j0:j1, :])
-        dk[:, :, j0:j1, :] += xp.matmul(xp.matrix_transpose(dz), q[:, :, i0:i1, :])
+        dq[:, :, i0:i1, :] += matmul(dz, k[:, :, j0:j1, :], TILED)
+        dk[:, :, j0:j1, :] += matmul(xp.matrix_transpose(dz), q[:, :, i0:i1, :], TILED)
     return dq, dk, dv

@@ -78,7 +78,8 @@ def ring_all_reduce_states(n: int, chunk: int = 1) -> dict:
     M = n * chunk
     group = _WatchedGroup(n)
     xs = [np.full(M, 2.0 ** r) for r in range(n)]
-    finals = group.run(lambda comm: comm.all_reduce(backend.asarray(xs[comm.rank])))
+    # NumPy arrays whatever the backend: the watcher reads the work buffer's memory
+    finals = group.run(lambda comm: comm.all_reduce(xs[comm.rank]))
     bounds = chunk_bounds(M, n)
     steps = 2 * (n - 1)
     holds = np.zeros((n, steps + 1, n), dtype=np.int64)
