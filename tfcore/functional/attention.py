@@ -48,6 +48,17 @@ def _check_settings(q, k, v, causal, dropout_p, training):
     return xp, causal, dropout_p, training
 
 
+def _check_every_query_keeps_a_key(xp, row_max) -> None:
+    """row_max [B, H, S_q, 1], each query's largest masked score: -inf means every key of
+    that query is masked, and such a row has no softmax."""
+    if bool(xp.any(row_max == -math.inf)):
+        b, h, i = _first_masked_row(xp, row_max)
+        raise ValueError(
+            f"query {i} of batch element {b}, head {h} has every key masked "
+            "(causal, key_padding and mask together): a fully masked row has no softmax"
+        )
+
+
 def _check_causal_lengths(s_q: int, s_k: int) -> None:
     if s_q > s_k:
         raise ValueError(
@@ -127,12 +138,7 @@ def attention_forward(
     # that every query keeps a key (a row of -inf would give exp(-inf + inf) = nan)
     row_max = xp.max(z, axis=-1, keepdims=True)                     # [B, H, S_q, 1]
     if causal or key_padding is not None or mask is not None:
-        if bool(xp.any(row_max == -math.inf)):
-            b, h, i = _first_masked_row(xp, row_max)
-            raise ValueError(
-                f"query {i} of batch element {b}, head {h} has every key masked "
-                "(causal, key_padding and mask together): a fully masked row has no softmax"
-            )
+        _check_every_query_keeps_a_key(xp, row_max)
     z -= row_max
     A = xp.exp(z)                                                   # [B, H, S_q, S_k]
     del z

@@ -26,8 +26,8 @@ import numpy as np
 
 from .. import backend, checks, kernels
 from ..backend import matmul
-from .attention import (_causal_table, _check_causal_lengths, _check_settings,
-                        _first_masked_row, _key_padding_table)
+from .attention import (_causal_table, _check_causal_lengths, _check_every_query_keeps_a_key,
+                        _check_settings, _key_padding_table)
 from .softmax import _check_mask
 
 TILED = "tiled attention"   # the label of its products in backend.count_matmuls()
@@ -157,12 +157,7 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
         acc[:, :, i0:i1, :] = rescale * acc[:, :, i0:i1, :] + pv
         m[:, :, i0:i1, :] = m_new
     if causal or key_padding is not None or mask is not None:
-        if bool(xp.any(m == -math.inf)):
-            b, h, i = _first_masked_row(xp, m)
-            raise ValueError(
-                f"query {i} of batch element {b}, head {h} has every key masked "
-                "(causal, key_padding and mask together): a fully masked row has no softmax"
-            )
+        _check_every_query_keeps_a_key(xp, m)                       # m: the row max
     out = acc / l                                                   # [B, H, S_q, D_v]
     lse = xp.reshape(m + xp.log(l), (batch, heads, s_q))            # [B, H, S_q]
     return out, (q, k, v, out, lse, settings)
