@@ -61,6 +61,10 @@ def check_layout(config: DecoderConfig, tp: int, seq_len: int | None = None,
     """Raise ValueError, before any work, for a model that cannot be split tp ways."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"the tensor-parallel degree must be a positive integer, got {tp!r}")
+    if config.n_kv_heads != config.n_heads:
+        raise ValueError(f"n_kv_heads ({config.n_kv_heads}) must equal n_heads "
+                         f"({config.n_heads}) here: the tensor-parallel decoder shards one "
+                         f"key/value head per query head, not grouped-query attention")
     if config.n_heads % tp:
         raise ValueError(f"n_heads ({config.n_heads}) must be divisible by the tensor-parallel "
                          f"degree ({tp}): each rank computes whole heads")
