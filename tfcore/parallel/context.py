@@ -556,3 +556,110 @@ def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, 
         opt.step(reduced=True)
     return dict(losses=losses, params=np.array(backend.to_numpy(model.params.data)),
                 grads=grads)
+
+
+# ---------------------------------------------------------------------------------------
+# Pictures, drawn from a recorded run (matplotlib is imported by the drawing functions)
+
+
+def ring_rotation_data(n: int, seq: int, balanced: bool, causal: bool = True,
+                       batch: int = 1, heads: int = 1, d_h: int = 2, seed: int = 0) -> dict:
+    """Run ring attention on n simulated ranks and record what each rank did at each step.
+
+    -> dict(layout, owner int [n ranks, n steps]: whose K/V block rank r holds at step t,
+            pairs [rank][step]: [(q chunk, k chunk, kind, rows, cols)], work [per rank]:
+            score entries computed, sent [per rank]: bytes counted, error: the worst
+            relative error of the output against the dense op)."""
+    layout = ContextLayout(seq, n, balanced)
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((batch, heads, seq, d_h)) for _ in range(3))
+    logs = [[] for _ in range(n)]
+
+    def body(comm):
+        shard = lambda x: layout.shard(x, comm.rank, axis=2)  # noqa: E731
+        out, _ = ring_attention_forward(shard(backend.asarray(q)), shard(backend.asarray(k)),
+                                        shard(backend.asarray(v)), comm, layout,
+                                        causal=causal, block_size=seq, log=logs[comm.rank])
+        return np.asarray(backend.to_numpy(out))
+
+    from .comm import SimulatedGroup
+
+    group = SimulatedGroup(n)
+    outs = group.run(body)
+    ref, _ = F.attention_forward(backend.asarray(q), backend.asarray(k), backend.asarray(v),
+                                 causal=causal)
+    ref = np.asarray(backend.to_numpy(ref))
+    got = layout.unshard(outs, axis=2)
+    owner = np.array([[entry["owner"] for entry in log] for log in logs], dtype=np.int64)
+    pairs = [[entry["pairs"] for entry in log] for log in logs]
+    work = [sum(rows * cols for step in p for _, _, kind, rows, cols in step if kind != SKIP)
+            for p in pairs]
+    return dict(layout=layout, owner=owner, pairs=pairs, work=work,
+                sent=[t.sent for t in group.traffic],
+                error=float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
+
+
+def draw_ring_rotation(ax, data: dict) -> None:
+    """Ranks (rows) x steps (columns): the K/V block each rank holds, in its owner's colour,
+    with the chunks it carries and how many score blocks the rank computes against it
+    (a greyed cell: every pair skipped by the causal mask)."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from .diagrams import _rank_colour
+
+    owner, pairs, layout = data["owner"], data["pairs"], data["layout"]
+    n = owner.shape[0]
+    for r in range(n):
+        for t in range(n):
+            o = int(owner[r, t])
+            done = sum(kind != SKIP for _, _, kind, _, _ in pairs[r][t])
+            y = n - 1 - r
+            ax.add_patch(Rectangle((t * 1.25, y), 1.0, 0.8, facecolor=_rank_colour(o),
+                                   alpha=0.9 if done else 0.25, edgecolor="white"))
+            chunks = ",".join(str(c) for c in layout.chunks_of(o))
+            ax.text(t * 1.25 + 0.5, y + 0.52, f"K,V of {o}", ha="center", va="center",
+                    fontsize=7, color="white" if done else "black")
+            ax.text(t * 1.25 + 0.5, y + 0.2, f"chunk {chunks}: {done}", ha="center",
+                    va="center", fontsize=6, color="white" if done else "black")
+            if t < n - 1 and r < n - 1:       # the block moves to rank r + 1
+                ax.add_patch(FancyArrowPatch((t * 1.25 + 1.0, y + 0.4),
+                                             (t * 1.25 + 1.25, y - 0.4),
+                                             arrowstyle="-|>", mutation_scale=6,
+                                             color="#777777", linewidth=0.6))
+        ax.text(-0.15, n - 1 - r + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
+    for t in range(n):
+        ax.text(t * 1.25 + 0.5, n + 0.05, f"step {t}", ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-1.3, n * 1.25)
+    ax.set_ylim(-0.2, n + 0.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_causal_tiles(ax, data: dict) -> None:
+    """The S x S score matrix cut into the layout's chunks: each block a rank computes is
+    filled in that rank's colour (hatched: on the diagonal, under the causal mask); white
+    blocks lie above the diagonal and are never computed."""
+    from matplotlib.patches import Rectangle
+
+    from .diagrams import _rank_colour
+
+    layout = data["layout"]
+    S = layout.seq_len
+    for r, per_step in enumerate(data["pairs"]):
+        for step in per_step:
+            for qc, kc, kind, _, _ in step:
+                (a, b), (c, d) = layout.bounds[qc], layout.bounds[kc]
+                if kind == SKIP:
+                    ax.add_patch(Rectangle((c, a), d - c, b - a, facecolor="white",
+                                           edgecolor="#cccccc", linewidth=0.5))
+                    continue
+                ax.add_patch(Rectangle((c, a), d - c, b - a, facecolor=_rank_colour(r),
+                                       alpha=0.85, edgecolor="white", linewidth=0.8,
+                                       hatch="///" if kind == DIAGONAL else None))
+    ax.plot([0, S], [0, S], color="black", linewidth=0.8)
+    ax.set_xlim(0, S)
+    ax.set_ylim(S, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel("key position", fontsize=8)
+    ax.set_ylabel("query position", fontsize=8)
+    ax.tick_params(labelsize=7)
