@@ -75,7 +75,7 @@ def test_bytes_sent_equal_the_formula(n, balanced, seq):
     sent = [t.sent for t in group.traffic]
     assert sent == [f + b for f, b in zip(formula["forward"], formula["backward"])]
     assert group.total()["sent"] == sum(sent)
-    if seq % n == 0:                       # the closed form with c = S / N_C
+    if seq % n == 0:                       # the closed form with m = S / N_C
         c = seq // n
         assert formula["forward"] == [2 * (n - 1) * batch * heads * c * d_h * 8] * n
         assert formula["backward"] == [4 * (n - 1) * batch * heads * c * d_h * 8] * n

@@ -30,7 +30,7 @@ Bytes per rank (elements of K and V are B H D_h per position; c_r = S_r):
     forward   K, V blocks of every rank but r + 1:           2 B H D_h (S - c_{r+1})
     backward  K, V again, and the dK, dV partials of every
               block but r's own:                            2 B H D_h (2S - c_r - c_{r+1})
-With S = N_C c: 2 (N_C - 1) B H c D_h forward and 4 (N_C - 1) B H c D_h backward, the
+With S = N_C m: 2 (N_C - 1) B H m D_h forward and 4 (N_C - 1) B H m D_h backward, the
 all-gather and the all-reduce of a ring collective (`ring_attention_bytes`).
 """
 from __future__ import annotations
@@ -351,8 +351,8 @@ def ring_attention_bytes(layout: ContextLayout, batch: int, heads: int, d_h: int
     backward_r = (S - c_{r+1}) B H (D_h + D_v) b      K, V again
                + (S - c_r)     B H (D_h + D_v) b      the dK, dV partials of every block
                                                       but rank r's own
-    (c_r = S_r; with D_v = D_h and S = N_C c: 2 (N_C - 1) B H c D_h b forward and
-    4 (N_C - 1) B H c D_h b backward). A group of one rank sends nothing."""
+    (c_r = S_r; with D_v = D_h and S = N_C m: 2 (N_C - 1) B H m D_h b forward and
+    4 (N_C - 1) B H m D_h b backward). A group of one rank sends nothing."""
     d_v = d_h if d_v is None else d_v
     n, S = layout.size, layout.seq_len
     c = [layout.local_len(r) for r in range(n)]
