@@ -216,3 +216,26 @@ def test_bad_input_is_refused():
     config.dropout = 0.1
     with pytest.raises(ValueError, match="without dropout"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
+
+
+def test_recorded_rotation_and_its_pictures():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tfcore.parallel.context import (draw_causal_tiles, draw_ring_rotation,
+                                         ring_rotation_data)
+
+    for balanced in (False, True):
+        data = ring_rotation_data(3, 12, balanced)
+        assert data["error"] < TOL
+        assert data["owner"].tolist() == [[(r - t) % 3 for t in range(3)] for r in range(3)]
+        assert data["work"] == ring_work(data["layout"])
+        assert data["sent"] == ring_attention_bytes(data["layout"], 1, 1, 2)["forward"]
+        fig, axes = plt.subplots(1, 2)
+        draw_ring_rotation(axes[0], data)
+        draw_causal_tiles(axes[1], data)
+        assert len(axes[0].patches) >= 9 and len(axes[1].patches) == 9 * (4 if balanced
+                                                                          else 1)
+        plt.close(fig)
