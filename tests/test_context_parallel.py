@@ -199,6 +199,13 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="q must have shape"):
         SimulatedGroup(2).run(wrong_rows)
 
+    def wrong_kv_heads(comm):
+        y = np.zeros((1, 3, 6, 4))
+        ring_attention_forward(y, np.zeros((1, 2, 6, 4)), y, comm, layout)
+
+    with pytest.raises(ValueError, match="k must have a number of heads dividing q's 3"):
+        SimulatedGroup(2).run(wrong_kv_heads)
+
     def wrong_group(comm):
         ring_attention_forward(x, x, x, comm, ContextLayout(12, 3))
 
@@ -239,3 +246,46 @@ def test_recorded_rotation_and_its_pictures():
         assert len(axes[0].patches) >= 9 and len(axes[1].patches) == 9 * (4 if balanced
                                                                           else 1)
         plt.close(fig)
+
+
+@pytest.mark.parametrize("n,balanced", [(2, True), (3, False), (4, True)])
+def test_grouped_query_heads_travel_as_they_are_stored(n, balanced):
+    """k, v with H_kv = H / 3 heads: the ring moves H_kv heads (a third of the bytes) and
+    equals dense attention on the repeated heads, the gradients summed over each group."""
+    from tfcore.models.blocks import repeat_kv_heads, sum_kv_groups
+
+    batch, heads, kv_heads, seq, d_h = 2, 6, 2, 17, 4
+    rng = np.random.default_rng(3)
+    q, g = (rng.standard_normal((batch, heads, seq, d_h)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, kv_heads, seq, d_h)) for _ in range(2))
+    ref, cache = F.attention_forward(q, repeat_kv_heads(k, 3), repeat_kv_heads(v, 3),
+                                     causal=True)
+    dq, dk, dv = F.attention_backward(g, cache)
+    dense = (ref, dq, sum_kv_groups(dk, 3), sum_kv_groups(dv, 3))
+    layout = ContextLayout(seq, n, balanced)
+
+    def body(comm):
+        shard = lambda x: layout.shard(x, comm.rank, axis=2)  # noqa: E731
+        out, c = ring_attention_forward(shard(q), shard(k), shard(v), comm, layout,
+                                        causal=True, block_size=4)
+        return (out, *ring_attention_backward(shard(g), c))
+
+    group = SimulatedGroup(n)
+    results = group.run(body)
+    for i, want in enumerate(dense):
+        assert rel(layout.unshard([r[i] for r in results], axis=2), want) < TOL
+    formula = ring_attention_bytes(layout, batch, kv_heads, d_h)
+    assert [t.sent for t in group.traffic] == [f + b for f, b in zip(formula["forward"],
+                                                                     formula["backward"])]
+    full_heads = ring_attention_bytes(layout, batch, heads, d_h)
+    assert [3 * f for f in formula["forward"]] == full_heads["forward"]
+
+
+def test_grouped_query_decoder_equals_one_device():
+    config = DecoderConfig.llama(vocab_size=29, max_seq_len=16, d_model=24, n_layers=2,
+                                 n_heads=6, d_ff=32, n_kv_heads=2, dtype="float64")
+    ref = train_single(config, 3, 2, 14)
+    for res in SimulatedGroup(3).run(train_context_parallel, config, 3, 2, 14,
+                                     balanced=True):
+        assert rel(res["params"], ref["params"]) < TOL
+        assert rel(res["grads"], ref["grads"]) < TOL

@@ -31,7 +31,8 @@ Bytes per rank (elements of K and V are B H D_h per position; c_r = S_r):
     backward  K, V again, and the dK, dV partials of every
               block but r's own:                            2 B H D_h (2S - c_r - c_{r+1})
 With S = N_C m: 2 (N_C - 1) B H m D_h forward and 4 (N_C - 1) B H m D_h backward, the
-all-gather and the all-reduce of a ring collective (`ring_attention_bytes`).
+all-gather and the all-reduce of a ring collective (`ring_attention_bytes`). With
+grouped-query attention the blocks carry the H_kv key/value heads: H becomes H_kv.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from ..backend import namespace
 from ..functional.attention import merge_heads, qkv_merge_grads, qkv_split, split_heads
 from ..functional.rope import rope_backward, rope_forward, rope_tables
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
-from ..models.blocks import mlp_sublayer_backward, mlp_sublayer_forward
+from ..models.blocks import (mlp_sublayer_backward, mlp_sublayer_forward, repeat_kv_heads,
+                             sum_kv_groups)
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from .comm import chunk_bounds
 from .optimizer import DataParallelAdamW
@@ -190,8 +192,12 @@ def _check_qkv(q, k, v, layout, comm):
     want = layout.local_len(comm.rank)
     batch, heads, _, d_h = q.shape
     checks.shape("q", q, (batch, heads, want, d_h))
-    checks.shape("k", k, (batch, heads, want, d_h))
-    checks.shape("v", v, (batch, heads, want, None))
+    kv_heads = k.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"k must have a number of heads dividing q's {heads} (grouped-query "
+                         f"attention), got shape {tuple(k.shape)}")
+    checks.shape("k", k, (batch, kv_heads, want, d_h))
+    checks.shape("v", v, (batch, kv_heads, want, None))
     return xp
 
 
@@ -208,7 +214,9 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
                            block_size: int = 64, scale=None, log=None):
     """Attention over the whole sequence from this rank's rows, the K/V blocks passed round.
 
-    q, k [B, H, S_r, D_h], v [B, H, S_r, D_v]: this rank's rows (layout.shard of the whole)
+    q [B, H, S_r, D_h], k [B, H_kv, S_r, D_h], v [B, H_kv, S_r, D_v]: this rank's rows
+             (layout.shard of the whole); H_kv divides H (grouped-query attention: the
+             ring moves H_kv heads, each block is repeated to H on arrival)
     comm     the context-parallel group (any Communicator); layout its ContextLayout
     causal   query at position i sees keys at positions j <= i (global positions)
     block_size, scale   passed to tiled_attention_forward (scale default 1 / sqrt(D_h))
@@ -221,6 +229,8 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
     causal = checks.boolean("causal", causal)
     batch, heads, _, d_h = q.shape
     d_v = v.shape[-1]
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
     scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
     n, r = comm.size, comm.rank
     mine = layout.local_slices(r)
@@ -232,8 +242,8 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
         owner = ring_owner(r, step, n)
         if step > 0:                             # the block of rank r - step arrives
             held_k, held_v = ring_exchange(comm, [held_k, held_v],
-                                           _block_shapes(layout, owner, batch, heads, d_h,
-                                                         d_v))
+                                           _block_shapes(layout, owner, batch, kv_heads,
+                                                         d_h, d_v))
         pairs = []
         for i, (qc, q0, q1) in enumerate(mine):
             for kc, k0, k1 in layout.local_slices(owner):
@@ -242,7 +252,8 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
                 if kind == SKIP:
                     continue
                 o, cache = tiled_attention_forward(
-                    q[:, :, q0:q1, :], held_k[:, :, k0:k1, :], held_v[:, :, k0:k1, :],
+                    q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
+                    repeat_kv_heads(held_v[:, :, k0:k1, :], groups),
                     causal=kind == DIAGONAL, block_size=block_size, scale=scale)
                 settings[(qc, kc)] = cache[5]
                 if out[i] is None:
@@ -266,6 +277,8 @@ def ring_attention_backward(dout, cache):
     xp = namespace(q, dout)
     batch, heads, _, d_h = q.shape
     d_v = v.shape[-1]
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
     n, r = comm.size, comm.rank
     mine = layout.local_slices(r)
     dq = xp.zeros(q.shape, dtype=q.dtype)
@@ -277,7 +290,7 @@ def ring_attention_backward(dout, cache):
             for _, q0, q1 in mine]
     for step in range(n):
         owner = ring_owner(r, step, n)
-        shapes = _block_shapes(layout, owner, batch, heads, d_h, d_v)
+        shapes = _block_shapes(layout, owner, batch, kv_heads, d_h, d_v)
         if step == 1:
             held_k, held_v = ring_exchange(comm, [held_k, held_v], shapes)
         elif step > 1:                           # the block and the partials of its owner
@@ -289,12 +302,13 @@ def ring_attention_backward(dout, cache):
             for kc, k0, k1 in layout.local_slices(owner):
                 if pair_kind(layout, qc, kc, causal) == SKIP:
                     continue
-                sub = (q[:, :, q0:q1, :], held_k[:, :, k0:k1, :], held_v[:, :, k0:k1, :],
-                       out_i, lse_i, settings[(qc, kc)])
+                sub = (q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
+                       repeat_kv_heads(held_v[:, :, k0:k1, :], groups), out_i, lse_i,
+                       settings[(qc, kc)])
                 g_q, g_k, g_v = tiled_attention_backward(dout[:, :, q0:q1, :], sub)
                 dq[:, :, q0:q1, :] += g_q
-                dk_blk[:, :, k0:k1, :] += g_k
-                dv_blk[:, :, k0:k1, :] += g_v
+                dk_blk[:, :, k0:k1, :] += sum_kv_groups(g_k, groups)     # [B, H_kv, .]
+                dv_blk[:, :, k0:k1, :] += sum_kv_groups(g_v, groups)
         if step == 0:
             own_dk, own_dv = dk_blk, dv_blk
         else:
@@ -302,7 +316,7 @@ def ring_attention_backward(dout, cache):
     if n == 1:
         return dq, own_dk, own_dv
     # after the last step rank r holds the partials of block r + 1: send them home
-    home = _block_shapes(layout, r, batch, heads, d_h, d_v)
+    home = _block_shapes(layout, r, batch, kv_heads, d_h, d_v)
     back_dk, back_dv = ring_exchange(comm, [acc_dk, acc_dv], home)
     return dq, own_dk + back_dk, own_dv + back_dv
 
@@ -351,6 +365,7 @@ def ring_attention_bytes(layout: ContextLayout, batch: int, heads: int, d_h: int
     backward_r = (S - c_{r+1}) B H (D_h + D_v) b      K, V again
                + (S - c_r)     B H (D_h + D_v) b      the dK, dV partials of every block
                                                       but rank r's own
+    heads: the key/value heads the ring moves (H_kv with grouped-query attention).
     (c_r = S_r; with D_v = D_h and S = N_C m: 2 (N_C - 1) B H m D_h b forward and
     4 (N_C - 1) B H m D_h b backward). A group of one rank sends nothing."""
     d_v = d_h if d_v is None else d_v
@@ -373,9 +388,6 @@ def check_context_config(config: DecoderConfig) -> None:
     if config.dropout:
         raise ValueError(f"the context-parallel decoder runs without dropout, got "
                          f"dropout={config.dropout}")
-    if config.n_kv_heads != config.n_heads:
-        raise ValueError(f"the context-parallel decoder needs n_kv_heads == n_heads, got "
-                         f"{config.n_kv_heads} and {config.n_heads}")
 
 
 class ContextParallelDecoder:
@@ -414,8 +426,14 @@ class ContextParallelDecoder:
         """x [B, S_r, D] -> out [B, S_r, D]: qkv, (rotary at global positions), ring
         attention, the output projection."""
         p, cfg = self.params, self.config
-        qkv, c_qkv = nn.linear_forward(p, prefix + ".qkv", x)            # [B, S_r, 3D]
-        q, k, v = qkv_split(qkv, cfg.n_heads)                            # [B, H, S_r, D_h]
+        qkv, c_qkv = nn.linear_forward(p, prefix + ".qkv", x)    # [B, S_r, D + 2 H_kv D_h]
+        if cfg.n_kv_heads == cfg.n_heads:
+            q, k, v = qkv_split(qkv, cfg.n_heads)                        # [B, H, S_r, D_h]
+        else:                                                            # k, v: H_kv heads
+            D, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+            q = split_heads(qkv[:, :, :D], cfg.n_heads)
+            k = split_heads(qkv[:, :, D:D + kv], cfg.n_kv_heads)
+            v = split_heads(qkv[:, :, D + kv:], cfg.n_kv_heads)
         c_rq = c_rk = None
         if ctx["rope"] is not None:
             q, c_rq = rope_forward(q, *ctx["rope"])
@@ -432,7 +450,12 @@ class ContextParallelDecoder:
         dq, dk, dv = ring_attention_backward(split_heads(dmerged, self.config.n_heads), c_att)
         if c_rq is not None:
             dq, dk = rope_backward(dq, c_rq), rope_backward(dk, c_rk)
-        return nn.linear_backward(p, prefix + ".qkv", qkv_merge_grads(dq, dk, dv), c_qkv)
+        if self.config.n_kv_heads == self.config.n_heads:
+            dqkv = qkv_merge_grads(dq, dk, dv)                           # [B, S_r, 3D]
+        else:
+            dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
+                                        axis=-1)
+        return nn.linear_backward(p, prefix + ".qkv", dqkv, c_qkv)
 
     def _block_forward(self, prefix, x, ctx):
         """models/blocks.py's block on [B, S_r, D], ring attention in place of attention."""
