@@ -268,8 +268,8 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
 
 
 def ring_attention_backward(dout, cache):
-    """The VJP of ring_attention_forward: dout [B, H, S_r, D_v] -> dq, dk, dv (this rank's
-    rows). K, V go round the ring again; each block's dK, dV partial travels with it and
+    """The VJP of ring_attention_forward: dout [B, H, S_r, D_v] -> dq [B, H, S_r, D_h],
+    dk [B, H_kv, S_r, D_h], dv [B, H_kv, S_r, D_v] (this rank's rows). K, V go round the ring again; each block's dK, dV partial travels with it and
     reaches its owner after the last step. Every block pair calls tiled_attention_backward
     with the merged out and lse, which gives that pair's exact share."""
     q, k, v, out, lse, settings, layout, comm, causal = cache
@@ -286,8 +286,8 @@ def ring_attention_backward(dout, cache):
     own_dk = own_dv = acc_dk = acc_dv = None
     # each query chunk's merged out and lse, as arrays of their own (the fused kernel reads
     # C-contiguous arrays)
-    kept = [(xp.asarray(out[:, :, q0:q1, :], copy=True), xp.asarray(lse[:, :, q0:q1], copy=True))
-            for _, q0, q1 in mine]
+    kept = [(xp.asarray(out[:, :, q0:q1, :], copy=True),
+             xp.asarray(lse[:, :, q0:q1], copy=True)) for _, q0, q1 in mine]
     for step in range(n):
         owner = ring_owner(r, step, n)
         shapes = _block_shapes(layout, owner, batch, kv_heads, d_h, d_v)
