@@ -1,0 +1,688 @@
+"""Context parallelism: the sequence split over N_C ranks, attention computed as a ring.
+
+Every op of a decoder but attention works on each token alone, so a sequence cut into
+chunks can be processed chunk by chunk on different ranks. Attention is the exception: the
+queries of one chunk need the keys and values of every chunk before it. Ring attention
+(Liu et al., 2023) passes the key/value blocks around the ring r -> r+1: at step t rank r
+holds the block of rank (r - t) mod N_C, computes its queries' attention against it with
+the tiled op of chapter 15 (`tiled_attention_forward`, which returns the block's output and
+row log-sum-exp), and merges the result into its running one with the online-softmax merge
+(chapter 15 proves it), written here for summaries (Y, lse):
+
+    lse = log(exp(lse_a) + exp(lse_b)),  Y = exp(lse_a - lse) Y_a + exp(lse_b - lse) Y_b
+
+The backward pass keeps only the merged Y and lse per query (the tiled op's backward needs
+nothing else: P = exp(Z - lse) and D = rowsum(dY * Y) with the *final* Y and lse give each
+block's exact share of dQ, dK, dV). The key/value blocks go around the ring once more; the
+partial dK, dV of a block travel with it, each rank adding its queries' share, and after
+the last step they reach the block's owner.
+
+Layouts (`ContextLayout`). Plain: rank r holds chunk r of N_C contiguous chunks. Causal
+attention then loads the ranks unevenly (rank r computes r + 1 blocks, rank N_C - 1 all
+N_C). Balanced: the sequence is cut into 2 N_C chunks and rank r holds chunks r and
+2 N_C - 1 - r, so every rank computes the same number of score entries. Chunk sizes follow
+chunk_bounds (S need not be a multiple of N_C); every chunk must hold a position.
+
+Shape letters: B batch, H heads, S the whole sequence, S_r the positions rank r holds,
+D_h the width of a head, N_C the size of the context-parallel group.
+
+Bytes per rank (elements of K and V are B H D_h per position; c_r = S_r):
+    forward   K, V blocks of every rank but r + 1:           2 B H D_h (S - c_{r+1})
+    backward  K, V again, and the dK, dV partials of every
+              block but r's own:                            2 B H D_h (2S - c_r - c_{r+1})
+With S = N_C m: 2 (N_C - 1) B H m D_h forward and 4 (N_C - 1) B H m D_h backward, the
+all-gather and the all-reduce of a ring collective (`ring_attention_bytes`). With
+grouped-query attention the blocks carry the H_kv key/value heads: H becomes H_kv.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import backend, checks, nn
+from .. import functional as F
+from ..backend import namespace
+from ..functional.attention import merge_heads, qkv_merge_grads, qkv_split, split_heads
+from ..functional.rope import rope_backward, rope_forward, rope_tables
+from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
+from ..models.blocks import (mlp_sublayer_backward, mlp_sublayer_forward, repeat_kv_heads,
+                             sum_kv_groups)
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
+from .comm import chunk_bounds
+from .optimizer import DataParallelAdamW
+
+FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
+
+
+class ContextLayout:
+    """Which positions of a sequence of `seq_len` each of `size` ranks holds.
+
+    balanced=False: chunk_bounds(S, N_C); rank r holds chunk r.
+    balanced=True:  chunk_bounds(S, 2 N_C); rank r holds chunks r and 2 N_C - 1 - r.
+    A rank's local rows are its chunks concatenated in increasing position order.
+    """
+
+    def __init__(self, seq_len: int, size: int, balanced: bool = False):
+        self.size = checks.integer("size", size, least=1)
+        self.seq_len = checks.integer("seq_len", seq_len, least=1)
+        self.balanced = checks.boolean("balanced", balanced)
+        self.n_chunks = 2 * size if self.balanced else size
+        if seq_len < self.n_chunks:
+            raise ValueError(
+                f"seq_len ({seq_len}) must be at least the number of chunks "
+                f"({self.n_chunks} = {'2 x ' if self.balanced else ''}{size} ranks): "
+                "every chunk must hold a position")
+        self.bounds = chunk_bounds(seq_len, self.n_chunks)      # [(start, stop)] per chunk
+
+    def __repr__(self):
+        kind = "balanced" if self.balanced else "plain"
+        return f"ContextLayout(S={self.seq_len}, N_C={self.size}, {kind})"
+
+    def chunks_of(self, rank: int) -> tuple:
+        """The chunk indices rank `rank` holds, in increasing position order."""
+        if self.balanced:
+            return (rank, self.n_chunks - 1 - rank)
+        return (rank,)
+
+    def local_len(self, rank: int) -> int:
+        """S_r: the number of positions rank `rank` holds."""
+        return sum(self.bounds[c][1] - self.bounds[c][0] for c in self.chunks_of(rank))
+
+    def positions(self, rank: int) -> np.ndarray:
+        """int64 [S_r]: the global positions of rank `rank`'s local rows."""
+        return np.concatenate([np.arange(*self.bounds[c]) for c in self.chunks_of(rank)])
+
+    def shard(self, x, rank: int, axis: int = 1):
+        """Rank `rank`'s rows of x along `axis` (a new array: its chunks concatenated)."""
+        xp = namespace(x)
+        index = [slice(None)] * x.ndim
+        pieces = []
+        for c in self.chunks_of(rank):
+            index[axis] = slice(*self.bounds[c])
+            pieces.append(x[tuple(index)])
+        return xp.concat(pieces, axis=axis) if len(pieces) > 1 else xp.asarray(pieces[0],
+                                                                                copy=True)
+
+    def unshard(self, pieces, axis: int = 1):
+        """The whole tensor from every rank's local rows (the inverse of shard)."""
+        xp = namespace(pieces[0])
+        parts = {}
+        for rank, piece in enumerate(pieces):
+            offset = 0
+            for c in self.chunks_of(rank):
+                n = self.bounds[c][1] - self.bounds[c][0]
+                index = [slice(None)] * piece.ndim
+                index[axis] = slice(offset, offset + n)
+                parts[c] = piece[tuple(index)]
+                offset += n
+        return xp.concat([parts[c] for c in range(self.n_chunks)], axis=axis)
+
+    def local_slices(self, rank: int) -> list:
+        """[(chunk, local start, local stop)] of rank `rank`'s rows."""
+        out, offset = [], 0
+        for c in self.chunks_of(rank):
+            n = self.bounds[c][1] - self.bounds[c][0]
+            out.append((c, offset, offset + n))
+            offset += n
+        return out
+
+
+def pair_kind(layout: ContextLayout, q_chunk: int, k_chunk: int, causal: bool) -> str:
+    """How the queries of one chunk meet the keys of another: every key visible (full),
+    the same chunk under the causal mask (diagonal), or every key in the future (skip)."""
+    if not causal:
+        return FULL
+    if q_chunk == k_chunk:
+        return DIAGONAL
+    return FULL if k_chunk < q_chunk else SKIP
+
+
+def ring_owner(rank: int, step: int, size: int) -> int:
+    """Whose key/value block rank `rank` holds at step `step` of the ring."""
+    return (rank - step) % size
+
+
+# ---------------------------------------------------------------------------------------
+# The ring exchange and the merge
+
+
+def ring_exchange(comm, arrays, incoming_shapes):
+    """Send `arrays` (one flat message) to the right neighbour and receive arrays of
+    `incoming_shapes` from the left one (one flat message): the ring's only communication.
+    Counted by the communicator as it moves (Communicator.send / recv)."""
+    xp = namespace(arrays[0])
+    n, r = comm.size, comm.rank
+    flat = xp.concat([xp.reshape(a, (-1,)) for a in arrays], axis=0)
+    handle = comm.send((r + 1) % n, flat)
+    total = sum(math.prod(s) for s in incoming_shapes)
+    got = comm.recv((r - 1) % n, total, flat)
+    comm._wait(handle)
+    out, start = [], 0
+    for shape in incoming_shapes:
+        size = math.prod(shape)
+        out.append(xp.reshape(got[start:start + size], shape))
+        start += size
+    return out
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """The online-softmax merge (chapter 15) of two blocks' results for the same queries.
+
+    out_* [B, H, n, D_v] the softmax-weighted values over each block's keys, lse_* [B, H, n]
+    each block's row log-sum-exp  ->  (out, lse) over the union of the two blocks.
+    A summary (Y, lse) is chapter 15's (m, u, a) with the shift m = lse, for which u = 1
+    and a = Y; its merge, proved there for any shifts, is this one.
+    """
+    xp = namespace(out_a, out_b)
+    top = xp.maximum(lse_a, lse_b)                                  # finite: a key is seen
+    wa, wb = xp.exp(lse_a - top), xp.exp(lse_b - top)               # [B, H, n]
+    total = wa + wb
+    lse = top + xp.log(total)
+    out = (wa / total)[..., None] * out_a + (wb / total)[..., None] * out_b
+    return out, lse
+
+
+def _check_qkv(q, k, v, layout, comm):
+    xp = checks.float_inputs(q=q, k=k, v=v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.ndim(name, x, 4)
+    if layout.size != comm.size:
+        raise ValueError(f"layout is for {layout.size} ranks but the group has {comm.size}")
+    want = layout.local_len(comm.rank)
+    batch, heads, _, d_h = q.shape
+    checks.shape("q", q, (batch, heads, want, d_h))
+    kv_heads = k.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"k must have a number of heads dividing q's {heads} (grouped-query "
+                         f"attention), got shape {tuple(k.shape)}")
+    checks.shape("k", k, (batch, kv_heads, want, d_h))
+    checks.shape("v", v, (batch, kv_heads, want, None))
+    return xp
+
+
+def _block_shapes(layout, owner, batch, heads, d_h, d_v):
+    s = layout.local_len(owner)
+    return [(batch, heads, s, d_h), (batch, heads, s, d_v)]
+
+
+# ---------------------------------------------------------------------------------------
+# Ring attention: forward and backward
+
+
+def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = False, *,
+                           block_size: int = 64, scale=None, log=None):
+    """Attention over the whole sequence from this rank's rows, the K/V blocks passed round.
+
+    q [B, H, S_r, D_h], k [B, H_kv, S_r, D_h], v [B, H_kv, S_r, D_v]: this rank's rows
+             (layout.shard of the whole); H_kv divides H (grouped-query attention: the
+             ring moves H_kv heads, each block is repeated to H on arrival)
+    comm     the context-parallel group (any Communicator); layout its ContextLayout
+    causal   query at position i sees keys at positions j <= i (global positions)
+    block_size, scale   passed to tiled_attention_forward (scale default 1 / sqrt(D_h))
+    log      a list to append, per step, dict(step, owner, pairs=[(q chunk, k chunk,
+             kind, rows, cols)]) for the pictures and the work counts
+    ->  out [B, H, S_r, D_v], cache (for ring_attention_backward: q, k, v, out, lse, the
+        settings of each block pair, nothing of size S_r x S)
+    """
+    xp = _check_qkv(q, k, v, layout, comm)
+    causal = checks.boolean("causal", causal)
+    batch, heads, _, d_h = q.shape
+    d_v = v.shape[-1]
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
+    n, r = comm.size, comm.rank
+    mine = layout.local_slices(r)
+    out = [None] * len(mine)                     # per local query chunk: [B, H, n_i, D_v]
+    lse = [None] * len(mine)                     # [B, H, n_i]
+    settings = {}
+    held_k, held_v = k, v
+    for step in range(n):
+        owner = ring_owner(r, step, n)
+        if step > 0:                             # the block of rank r - step arrives
+            held_k, held_v = ring_exchange(comm, [held_k, held_v],
+                                           _block_shapes(layout, owner, batch, kv_heads,
+                                                         d_h, d_v))
+        pairs = []
+        for i, (qc, q0, q1) in enumerate(mine):
+            for kc, k0, k1 in layout.local_slices(owner):
+                kind = pair_kind(layout, qc, kc, causal)
+                pairs.append((qc, kc, kind, q1 - q0, k1 - k0))
+                if kind == SKIP:
+                    continue
+                o, cache = tiled_attention_forward(
+                    q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
+                    repeat_kv_heads(held_v[:, :, k0:k1, :], groups),
+                    causal=kind == DIAGONAL, block_size=block_size, scale=scale)
+                settings[(qc, kc)] = cache[5]
+                if out[i] is None:
+                    out[i], lse[i] = o, cache[4]
+                else:
+                    out[i], lse[i] = merge_partials(out[i], lse[i], o, cache[4])
+        if log is not None:
+            log.append(dict(step=step, owner=owner, pairs=pairs))
+    out = xp.concat(out, axis=2) if len(out) > 1 else out[0]          # [B, H, S_r, D_v]
+    lse = xp.concat(lse, axis=2) if len(lse) > 1 else lse[0]          # [B, H, S_r]
+    return out, (q, k, v, out, lse, settings, layout, comm, causal)
+
+
+def ring_attention_backward(dout, cache):
+    """The VJP of ring_attention_forward: dout [B, H, S_r, D_v] -> dq [B, H, S_r, D_h],
+    dk [B, H_kv, S_r, D_h], dv [B, H_kv, S_r, D_v] (this rank's rows). K, V go round the ring again; each block's dK, dV partial travels with it and
+    reaches its owner after the last step. Every block pair calls tiled_attention_backward
+    with the merged out and lse, which gives that pair's exact share."""
+    q, k, v, out, lse, settings, layout, comm, causal = cache
+    checks.upstream_like("dout", dout, out)
+    xp = namespace(q, dout)
+    batch, heads, _, d_h = q.shape
+    d_v = v.shape[-1]
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    n, r = comm.size, comm.rank
+    mine = layout.local_slices(r)
+    dq = xp.zeros(q.shape, dtype=q.dtype)
+    held_k, held_v = k, v
+    own_dk = own_dv = acc_dk = acc_dv = None
+    # each query chunk's merged out and lse, as arrays of their own (the fused kernel reads
+    # C-contiguous arrays)
+    kept = [(xp.asarray(out[:, :, q0:q1, :], copy=True),
+             xp.asarray(lse[:, :, q0:q1], copy=True)) for _, q0, q1 in mine]
+    for step in range(n):
+        owner = ring_owner(r, step, n)
+        shapes = _block_shapes(layout, owner, batch, kv_heads, d_h, d_v)
+        if step == 1:
+            held_k, held_v = ring_exchange(comm, [held_k, held_v], shapes)
+        elif step > 1:                           # the block and the partials of its owner
+            held_k, held_v, acc_dk, acc_dv = ring_exchange(
+                comm, [held_k, held_v, acc_dk, acc_dv], shapes + shapes)
+        dk_blk = xp.zeros(shapes[0], dtype=q.dtype) if step < 2 else acc_dk
+        dv_blk = xp.zeros(shapes[1], dtype=q.dtype) if step < 2 else acc_dv
+        for (qc, q0, q1), (out_i, lse_i) in zip(mine, kept):
+            for kc, k0, k1 in layout.local_slices(owner):
+                if pair_kind(layout, qc, kc, causal) == SKIP:
+                    continue
+                sub = (q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
+                       repeat_kv_heads(held_v[:, :, k0:k1, :], groups), out_i, lse_i,
+                       settings[(qc, kc)])
+                g_q, g_k, g_v = tiled_attention_backward(dout[:, :, q0:q1, :], sub)
+                dq[:, :, q0:q1, :] += g_q
+                dk_blk[:, :, k0:k1, :] += sum_kv_groups(g_k, groups)     # [B, H_kv, .]
+                dv_blk[:, :, k0:k1, :] += sum_kv_groups(g_v, groups)
+        if step == 0:
+            own_dk, own_dv = dk_blk, dv_blk
+        else:
+            acc_dk, acc_dv = dk_blk, dv_blk
+    if n == 1:
+        return dq, own_dk, own_dv
+    # after the last step rank r holds the partials of block r + 1: send them home
+    home = _block_shapes(layout, r, batch, kv_heads, d_h, d_v)
+    back_dk, back_dv = ring_exchange(comm, [acc_dk, acc_dv], home)
+    return dq, own_dk + back_dk, own_dv + back_dv
+
+
+# ---------------------------------------------------------------------------------------
+# What each rank computes and sends, as formulas of the layout
+
+
+def ring_work(layout: ContextLayout, causal: bool = True) -> list:
+    """Score entries each rank computes (a diagonal pair counted whole, as one tile of the
+    tiled op computes it when block_size >= the chunk): [sum over computed pairs of
+    rows x cols] per rank."""
+    sizes = [b - a for a, b in layout.bounds]
+    work = []
+    for r in range(layout.size):
+        total = 0
+        for owner in range(layout.size):
+            for qc in layout.chunks_of(r):
+                for kc in layout.chunks_of(owner):
+                    if pair_kind(layout, qc, kc, causal) != SKIP:
+                        total += sizes[qc] * sizes[kc]
+        work.append(total)
+    return work
+
+
+def ring_work_formula(seq_len: int, size: int, balanced: bool) -> list:
+    """The closed forms of causal ring_work when 2 N_C (balanced) or N_C divides S:
+    plain    rank r: (r + 1) m^2,        m = S / N_C
+    balanced rank r: (2 N_C + 1) c^2,    c = S / (2 N_C)   (the same on every rank)"""
+    parts = 2 * size if balanced else size
+    if seq_len % parts:
+        raise ValueError(f"the closed form needs seq_len ({seq_len}) divisible by {parts}")
+    if balanced:
+        c = seq_len // parts
+        return [(2 * size + 1) * c * c for _ in range(size)]
+    m = seq_len // size
+    return [(r + 1) * m * m for r in range(size)]
+
+
+def ring_attention_bytes(layout: ContextLayout, batch: int, heads: int, d_h: int,
+                         d_v: int | None = None, itemsize: int = 8) -> dict:
+    """Bytes each rank sends in one ring_attention_forward and one backward:
+    {'forward': [per rank], 'backward': [per rank]}.
+
+    forward_r  = (S - c_{r+1}) B H (D_h + D_v) b      every K, V block but rank r+1's
+    backward_r = (S - c_{r+1}) B H (D_h + D_v) b      K, V again
+               + (S - c_r)     B H (D_h + D_v) b      the dK, dV partials of every block
+                                                      but rank r's own
+    heads: the key/value heads the ring moves (H_kv with grouped-query attention).
+    (c_r = S_r; with D_v = D_h and S = N_C m: 2 (N_C - 1) B H m D_h b forward and
+    4 (N_C - 1) B H m D_h b backward). A group of one rank sends nothing."""
+    d_v = d_h if d_v is None else d_v
+    n, S = layout.size, layout.seq_len
+    c = [layout.local_len(r) for r in range(n)]
+    width = batch * heads * (d_h + d_v) * itemsize
+    if n == 1:
+        return dict(forward=[0], backward=[0])
+    forward = [(S - c[(r + 1) % n]) * width for r in range(n)]
+    backward = [forward[r] + (S - c[r]) * width for r in range(n)]
+    return dict(forward=forward, backward=backward)
+
+
+# ---------------------------------------------------------------------------------------
+# A decoder with context parallelism
+
+
+def check_context_config(config: DecoderConfig) -> None:
+    """Raise ValueError for what the context-parallel decoder does not support."""
+    if config.dropout:
+        raise ValueError(f"the context-parallel decoder runs without dropout, got "
+                         f"dropout={config.dropout}")
+
+
+class ContextParallelDecoder:
+    """Rank-local: every rank holds every parameter and the tokens of its chunks.
+
+    forward(ids, targets, seq_len) -> (logits [B, S_r, V] of this rank's positions, loss:
+    the mean over every counted token of the whole sequence); backward() adds this rank's
+    gradients into params.grad (sum them over the group: DataParallelAdamW over `cp`).
+    Every op but attention is per token; positions (learned, sinusoidal or rotary) are
+    those of the rank's chunks in the whole sequence.
+    """
+
+    def __init__(self, config: DecoderConfig, cp, balanced: bool = True):
+        self.config = config.validate()
+        check_context_config(config)
+        self.cp = cp
+        self.balanced = checks.boolean("balanced", balanced)
+        self.spec = config.block_spec()
+        self.params = nn.Parameters(config.param_shapes(), config.dtype)
+        S_max, dt = config.max_seq_len, config.dtype
+        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)
+                            if config.position == "sinusoidal" else None)
+        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)
+                      if config.position == "rotary" else None)
+        self._cache = None
+
+    def load_full(self, full_params: nn.Parameters) -> "ContextParallelDecoder":
+        self.params.data[...] = full_params.data
+        return self
+
+    def layout(self, seq_len: int) -> ContextLayout:
+        return ContextLayout(seq_len, self.cp.size, self.balanced)
+
+    # -- sub-blocks --------------------------------------------------------------------
+    def _attention_forward(self, prefix, x, ctx):
+        """x [B, S_r, D] -> out [B, S_r, D]: qkv, (rotary at global positions), ring
+        attention, the output projection."""
+        p, cfg = self.params, self.config
+        qkv, c_qkv = nn.linear_forward(p, prefix + ".qkv", x)    # [B, S_r, D + 2 H_kv D_h]
+        if cfg.n_kv_heads == cfg.n_heads:
+            q, k, v = qkv_split(qkv, cfg.n_heads)                        # [B, H, S_r, D_h]
+        else:                                                            # k, v: H_kv heads
+            D, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+            q = split_heads(qkv[:, :, :D], cfg.n_heads)
+            k = split_heads(qkv[:, :, D:D + kv], cfg.n_kv_heads)
+            v = split_heads(qkv[:, :, D + kv:], cfg.n_kv_heads)
+        c_rq = c_rk = None
+        if ctx["rope"] is not None:
+            q, c_rq = rope_forward(q, *ctx["rope"])
+            k, c_rk = rope_forward(k, *ctx["rope"])
+        a, c_att = ring_attention_forward(q, k, v, self.cp, ctx["layout"], causal=True,
+                                          block_size=cfg.attention_block_size)
+        out, c_proj = nn.linear_forward(p, prefix + ".proj", merge_heads(a))  # [B, S_r, D]
+        return out, (c_qkv, c_rq, c_rk, c_att, c_proj)
+
+    def _attention_backward(self, prefix, dout, cache):
+        c_qkv, c_rq, c_rk, c_att, c_proj = cache
+        p = self.params
+        dmerged = nn.linear_backward(p, prefix + ".proj", dout, c_proj)  # [B, S_r, D]
+        dq, dk, dv = ring_attention_backward(split_heads(dmerged, self.config.n_heads), c_att)
+        if c_rq is not None:
+            dq, dk = rope_backward(dq, c_rq), rope_backward(dk, c_rk)
+        if self.config.n_kv_heads == self.config.n_heads:
+            dqkv = qkv_merge_grads(dq, dk, dv)                           # [B, S_r, 3D]
+        else:
+            dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
+                                        axis=-1)
+        return nn.linear_backward(p, prefix + ".qkv", dqkv, c_qkv)
+
+    def _block_forward(self, prefix, x, ctx):
+        """models/blocks.py's block on [B, S_r, D], ring attention in place of attention."""
+        p, spec = self.params, self.spec
+        norm = lambda name, t: nn.norm_forward(p, prefix + name, t, spec.norm, spec.eps)  # noqa
+        if spec.placement == "pre":
+            h, c_ln1 = norm(".ln1", x)
+            a, c_attn = self._attention_forward(prefix + ".attn", h, ctx)
+            x1 = x + a
+            h, c_ln2 = norm(".ln2", x1)
+            m, c_mlp = mlp_sublayer_forward(p, prefix + ".mlp", h, spec)
+            return x1 + m, (c_ln1, c_attn, c_ln2, c_mlp)
+        a, c_attn = self._attention_forward(prefix + ".attn", x, ctx)
+        x1, c_ln1 = norm(".ln1", x + a)
+        m, c_mlp = mlp_sublayer_forward(p, prefix + ".mlp", x1, spec)
+        y, c_ln2 = norm(".ln2", x1 + m)
+        return y, (c_ln1, c_attn, c_ln2, c_mlp)
+
+    def _block_backward(self, prefix, dy, cache):
+        c_ln1, c_attn, c_ln2, c_mlp = cache
+        p, spec = self.params, self.spec
+        if spec.placement == "pre":
+            dh = mlp_sublayer_backward(p, prefix + ".mlp", dy, c_mlp, spec)
+            dx1 = dy + nn.norm_backward(p, prefix + ".ln2", dh, c_ln2, spec.norm)
+            dh = self._attention_backward(prefix + ".attn", dx1, c_attn)
+            return dx1 + nn.norm_backward(p, prefix + ".ln1", dh, c_ln1, spec.norm)
+        ds2 = nn.norm_backward(p, prefix + ".ln2", dy, c_ln2, spec.norm)
+        dx1 = ds2 + mlp_sublayer_backward(p, prefix + ".mlp", ds2, c_mlp, spec)
+        ds1 = nn.norm_backward(p, prefix + ".ln1", dx1, c_ln1, spec.norm)
+        return ds1 + self._attention_backward(prefix + ".attn", ds1, c_attn)
+
+    # -- the model -----------------------------------------------------------------------
+    def forward(self, ids, targets, seq_len: int):
+        """ids, targets [B, S_r]: this rank's positions (layout.shard of [B, S]) of a
+        sequence of seq_len -> (logits [B, S_r, V], loss over the whole sequence)."""
+        checks.ndim("ids", ids, 2)
+        checks.shape("targets", targets, tuple(ids.shape))
+        cfg, p = self.config, self.params
+        if seq_len > cfg.max_seq_len:
+            raise ValueError(f"seq_len ({seq_len}) exceeds max_seq_len={cfg.max_seq_len}")
+        layout = self.layout(seq_len)
+        rank = self.cp.rank
+        checks.shape("ids", ids, (ids.shape[0], layout.local_len(rank)))
+        ctx = dict(layout=layout, rope=None)
+        if self._rope is not None:
+            ctx["rope"] = tuple(layout.shard(t, rank, axis=0) for t in self._rope)
+        x, c_emb = F.embedding_forward(ids, p["wte"])                     # [B, S_r, D]
+        c_pos = None
+        if cfg.position == "learned":
+            x, c_pos = F.positional_forward(x, layout.shard(p["wpe"], rank, axis=0))
+        elif cfg.position == "sinusoidal":
+            x, _ = F.positional_forward(x, layout.shard(self._sinusoidal, rank, axis=0))
+        c_blocks = []
+        for i in range(cfg.n_layers):
+            x, c = self._block_forward(f"h{i}", x, ctx)
+            c_blocks.append(c)
+        c_lnf = None
+        if cfg.norm_placement == "pre":
+            x, c_lnf = nn.norm_forward(p, "lnf", x, cfg.norm, cfg.eps)
+        W = p["wte"].T if cfg.tied_head else p["head.W"]                  # [D, V]
+        bias = p["head.b"] if "head.b" in p else None
+        logits, c_head = F.linear_forward(x, W, bias)                     # [B, S_r, V]
+        local, c_loss = F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
+        xp = namespace(logits)
+        counted = c_loss[3]                                               # T_c of this rank
+        totals = self.cp.all_reduce(xp.stack([local * counted,
+                                              xp.asarray(float(counted), dtype=local.dtype)]))
+        count = float(totals[1])
+        loss = totals[0] / max(count, 1.0)
+        self._cache = (layout, c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss,
+                       counted / max(count, 1.0))
+        return logits, loss
+
+    def backward(self):
+        """Add this rank's gradients into params.grad (every tensor whole: sum over cp)."""
+        if self._cache is None:
+            raise RuntimeError("backward() needs a forward() first")
+        layout, c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, share = self._cache
+        self._cache = None
+        cfg, p = self.config, self.params
+        dlogits = F.cross_entropy_backward(share, c_loss)                 # [B, S_r, V]
+        dx, dW, db = F.linear_backward(dlogits, c_head)
+        nn.accumulate(p, "wte" if cfg.tied_head else "head.W", dW.T if cfg.tied_head else dW)
+        if db is not None:
+            nn.accumulate(p, "head.b", db)
+        if c_lnf is not None:
+            dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+        for i in reversed(range(cfg.n_layers)):
+            dx = self._block_backward(f"h{i}", dx, c_blocks[i])
+        if c_pos is not None:
+            dx, dP = F.positional_backward(dx, c_pos)                     # [S_r, D]
+            grad = p.grad_of("wpe")
+            for chunk, a, b in layout.local_slices(self.cp.rank):
+                start, stop = layout.bounds[chunk]
+                grad[start:stop, :] += dP[a:b, :]
+        nn.accumulate(p, "wte", F.embedding_backward(dx, c_emb))
+
+
+def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, seq: int,
+                           balanced: bool = True, seed: int = 0, hyper=None) -> dict:
+    """Rank-local: the runner's batches (runner.make_batches), each sequence split over the
+    ranks of `comm`; gradients summed over the group, then runner.train_single's AdamW.
+    -> dict(losses, params (host [P]), grads (the summed gradient of the last step))."""
+    from .runner import HYPER, make_batches
+
+    hyper = dict(HYPER, **(hyper or {}))
+    model = ContextParallelDecoder(config, comm, balanced)
+    layout = model.layout(seq)
+    model.load_full(DecoderLM(config).init(seed).params)
+    opt = DataParallelAdamW(model.params, comm, **hyper)
+    ids, targets = make_batches(config, steps, batch, seq, seed)
+    losses, grads = [], None
+    for t in range(steps):
+        model.params.zero_grad()
+        _, loss = model.forward(backend.asarray(layout.shard(ids[t], comm.rank)),
+                                backend.asarray(layout.shard(targets[t], comm.rank)), seq)
+        losses.append(float(loss))
+        model.backward()
+        opt.reduce_gradients()
+        grads = np.array(backend.to_numpy(model.params.grad), copy=True)
+        opt.step(reduced=True)
+    return dict(losses=losses, params=np.array(backend.to_numpy(model.params.data)),
+                grads=grads)
+
+
+# ---------------------------------------------------------------------------------------
+# Pictures, drawn from a recorded run (matplotlib is imported by the drawing functions)
+
+
+def ring_rotation_data(n: int, seq: int, balanced: bool, causal: bool = True,
+                       batch: int = 1, heads: int = 1, d_h: int = 2, seed: int = 0) -> dict:
+    """Run ring attention on n simulated ranks and record what each rank did at each step.
+
+    -> dict(layout, owner int [n ranks, n steps]: whose K/V block rank r holds at step t,
+            pairs [rank][step]: [(q chunk, k chunk, kind, rows, cols)], work [per rank]:
+            score entries computed, sent [per rank]: bytes counted, error: the worst
+            relative error of the output against the dense op)."""
+    layout = ContextLayout(seq, n, balanced)
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((batch, heads, seq, d_h)) for _ in range(3))
+    logs = [[] for _ in range(n)]
+
+    def body(comm):
+        shard = lambda x: layout.shard(x, comm.rank, axis=2)  # noqa: E731
+        out, _ = ring_attention_forward(shard(backend.asarray(q)), shard(backend.asarray(k)),
+                                        shard(backend.asarray(v)), comm, layout,
+                                        causal=causal, block_size=seq, log=logs[comm.rank])
+        return np.asarray(backend.to_numpy(out))
+
+    from .comm import SimulatedGroup
+
+    group = SimulatedGroup(n)
+    outs = group.run(body)
+    ref, _ = F.attention_forward(backend.asarray(q), backend.asarray(k), backend.asarray(v),
+                                 causal=causal)
+    ref = np.asarray(backend.to_numpy(ref))
+    got = layout.unshard(outs, axis=2)
+    owner = np.array([[entry["owner"] for entry in log] for log in logs], dtype=np.int64)
+    pairs = [[entry["pairs"] for entry in log] for log in logs]
+    work = [sum(rows * cols for step in p for _, _, kind, rows, cols in step if kind != SKIP)
+            for p in pairs]
+    return dict(layout=layout, owner=owner, pairs=pairs, work=work,
+                sent=[t.sent for t in group.traffic],
+                error=float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
+
+
+def draw_ring_rotation(ax, data: dict) -> None:
+    """Ranks (rows) x steps (columns): the K/V block each rank holds, in its owner's colour,
+    with the chunks it carries and how many score blocks the rank computes against it
+    (a greyed cell: every pair skipped by the causal mask)."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from .diagrams import _rank_colour
+
+    owner, pairs, layout = data["owner"], data["pairs"], data["layout"]
+    n = owner.shape[0]
+    for r in range(n):
+        for t in range(n):
+            o = int(owner[r, t])
+            done = sum(kind != SKIP for _, _, kind, _, _ in pairs[r][t])
+            y = n - 1 - r
+            ax.add_patch(Rectangle((t * 1.25, y), 1.0, 0.8, facecolor=_rank_colour(o),
+                                   alpha=0.9 if done else 0.25, edgecolor="white"))
+            chunks = ",".join(str(c) for c in layout.chunks_of(o))
+            ax.text(t * 1.25 + 0.5, y + 0.52, f"K,V of {o}", ha="center", va="center",
+                    fontsize=7, color="white" if done else "black")
+            ax.text(t * 1.25 + 0.5, y + 0.2, f"chunk {chunks}: {done}", ha="center",
+                    va="center", fontsize=6, color="white" if done else "black")
+            if t < n - 1 and r < n - 1:       # the block moves to rank r + 1
+                ax.add_patch(FancyArrowPatch((t * 1.25 + 1.0, y + 0.4),
+                                             (t * 1.25 + 1.25, y - 0.4),
+                                             arrowstyle="-|>", mutation_scale=6,
+                                             color="#777777", linewidth=0.6))
+        ax.text(-0.15, n - 1 - r + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
+    for t in range(n):
+        ax.text(t * 1.25 + 0.5, n + 0.05, f"step {t}", ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-1.3, n * 1.25)
+    ax.set_ylim(-0.2, n + 0.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_causal_tiles(ax, data: dict) -> None:
+    """The S x S score matrix cut into the layout's chunks: each block a rank computes is
+    filled in that rank's colour (hatched: on the diagonal, under the causal mask); white
+    blocks lie above the diagonal and are never computed."""
+    from matplotlib.patches import Rectangle
+
+    from .diagrams import _rank_colour
+
+    layout = data["layout"]
+    S = layout.seq_len
+    for r, per_step in enumerate(data["pairs"]):
+        for step in per_step:
+            for qc, kc, kind, _, _ in step:
+                (a, b), (c, d) = layout.bounds[qc], layout.bounds[kc]
+                if kind == SKIP:
+                    ax.add_patch(Rectangle((c, a), d - c, b - a, facecolor="white",
+                                           edgecolor="#cccccc", linewidth=0.5))
+                    continue
+                ax.add_patch(Rectangle((c, a), d - c, b - a, facecolor=_rank_colour(r),
+                                       alpha=0.85, edgecolor="white", linewidth=0.8,
+                                       hatch="///" if kind == DIAGONAL else None))
+    ax.plot([0, S], [0, S], color="black", linewidth=0.8)
+    ax.set_xlim(0, S)
+    ax.set_ylim(S, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel("key position", fontsize=8)
+    ax.set_ylabel("query position", fontsize=8)
+    ax.tick_params(labelsize=7)
