@@ -78,6 +78,21 @@ def test_cache_is_out_and_lse_only(rng):
                    for x in settings.values())
 
 
+def test_backward_accepts_a_cache_of_views(rng):
+    """A cache whose out and lse are views (a slice of a larger result, as ring attention
+    keeps) gives the same gradients as one of arrays of their own."""
+    q, k, v, _ = _case(rng, s_q=6, s_k=9)
+    q, k, v = asarray(q), asarray(k), asarray(v)
+    out, cache = F.tiled_attention_forward(q, k, v, causal=False, block_size=4)
+    G = asarray(rng.standard_normal(tuple(out.shape)))
+    wide_out = asarray(np.concatenate([to_numpy(out)] * 2, axis=-2))    # [B, H, 2 S_q, D]
+    wide_lse = asarray(np.concatenate([to_numpy(cache[4])] * 2, axis=-1))
+    views = (*cache[:3], wide_out[:, :, 6:, :], wide_lse[:, :, 6:], cache[5])
+    for got, want in zip(F.tiled_attention_backward(G, views),
+                         F.tiled_attention_backward(G, cache)):
+        assert_close("grad", got, want)
+
+
 def test_scale_argument(rng):
     q, k, v, _ = _case(rng)
     out, cache = F.tiled_attention_forward(asarray(q), asarray(k), asarray(v), block_size=3,

@@ -207,7 +207,7 @@ def tiled_attention_backward(dout, cache):
     q, k, v, out, lse, settings = cache
     checks.upstream_like("dout", dout, out)
     if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):
-        dout, q, k, v = _contiguous(dout, q, k, v)
+        dout, q, k, v, out, lse = _contiguous(dout, q, k, v, out, lse)
         return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],
                                                 settings["scale"])
     xp = backend.namespace(q, k, v, dout)

@@ -284,10 +284,7 @@ def ring_attention_backward(dout, cache):
     dq = xp.zeros(q.shape, dtype=q.dtype)
     held_k, held_v = k, v
     own_dk = own_dv = acc_dk = acc_dv = None
-    # each query chunk's merged out and lse, as arrays of their own (the fused kernel reads
-    # C-contiguous arrays)
-    kept = [(xp.asarray(out[:, :, q0:q1, :], copy=True),
-             xp.asarray(lse[:, :, q0:q1], copy=True)) for _, q0, q1 in mine]
+    kept = [(out[:, :, q0:q1, :], lse[:, :, q0:q1]) for _, q0, q1 in mine]  # each chunk's
     for step in range(n):
         owner = ring_owner(r, step, n)
         shapes = _block_shapes(layout, owner, batch, kv_heads, d_h, d_v)
