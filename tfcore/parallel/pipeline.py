@@ -392,7 +392,7 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
     last virtual stages read them). count_total: T_c, the counted targets of the whole
     global batch. -> dict(loss (the step's loss on the last stage, else None), record
     [(op, micro-batch, chunk, key of the message waited for or None)], peak_live,
-    peak_bytes, live_bytes_per_op)."""
+    peak_bytes, chunk_bytes {chunk: bytes of one micro-batch's cache})."""
     p, v = stage.n_stages, stage.n_virtual
     r = stage.stage
     xp = backend.xp()
@@ -404,6 +404,7 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
     arrived, local, handles = {}, {}, []
     caches, loss_sum = {}, 0.0
     record, live, peak_live, peak_bytes, live_bytes = [], 0, 0, 0, 0
+    chunk_bytes = {}                                  # chunk -> bytes of one cache
 
     def send(key, dst, x):
         if dst == r:
@@ -437,7 +438,8 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
                                              if s == last else None)
             caches[(i, c)] = cache
             live += 1
-            live_bytes += cache_bytes(cache)
+            chunk_bytes[c] = cache_bytes(cache)        # the same for every micro-batch
+            live_bytes += chunk_bytes[c]
             peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
             if s == last:
                 mean, count = out
@@ -464,7 +466,8 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
         raise RuntimeError(f"rank {r}: the schedule left work behind: caches "
                            f"{sorted(caches)}, messages {sorted(arrived) + sorted(local)}")
     return dict(loss=loss_sum if any(c * p + r == last for c in range(v)) else None,
-                record=record, peak_live=peak_live, peak_bytes=peak_bytes)
+                record=record, peak_live=peak_live, peak_bytes=peak_bytes,
+                chunk_bytes=chunk_bytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -521,8 +524,8 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     batch [B, S] is split by rows over the dp replicas, each replica's rows into m
     micro-batches of b = B / (N_D m) rows. -> dict(losses (every rank), params, grads
     (the full single-device buffers, host; the last step's gradient, summed over dp),
-    records, peak_live, peak_bytes (of the last step), sent (point-to-point bytes of the
-    pp group per step), coords (dp, pp, tp))."""
+    record, peak_live, peak_bytes, chunk_bytes (of the last step), sent (point-to-point
+    bytes this rank sent in each step's pipeline), coords (dp, pp, tp))."""
     from .runner import HYPER, make_batches
 
     hyper = dict(HYPER, **(hyper or {}))
@@ -575,7 +578,8 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     losses = [float(x) for x in backend.to_numpy(mine)]
     params = gather_full(stage, mesh, config, "data") if gather else None
     return dict(losses=losses, params=params, grads=grads, record=out["record"],
-                peak_live=out["peak_live"], peak_bytes=out["peak_bytes"], sent=sent,
+                peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],
+                chunk_bytes=out["chunk_bytes"], sent=sent,
                 coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), local_params=stage.params.size)
 
 
