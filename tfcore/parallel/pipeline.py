@@ -606,3 +606,88 @@ def gather_full(stage: PipelineStage, mesh: Mesh, config: DecoderConfig, which: 
         for name, value in part.items():
             merged.setdefault(name, value)          # wte: the first stage's copy
     return np.concatenate([merged[n].reshape(-1) for n in config.param_shapes()])
+
+
+# ---------------------------------------------------------------------------------------
+# Pictures, drawn from measured timelines and real meshes (matplotlib imported here only)
+
+
+def draw_timeline(ax, timeline: dict, n_microbatches: int, title: str = "") -> None:
+    """A Gantt chart: one row per rank, a box per operation at its measured interval,
+    coloured by micro-batch (forward light, backward dark), labelled i or i.c (chunk c)."""
+    from matplotlib.colors import to_rgb
+
+    from .diagrams import _rank_colour
+
+    intervals = timeline["intervals"]
+    chunks = max((c for row in intervals for *_, c in row), default=0) + 1
+    for r, row in enumerate(intervals):
+        for start, stop, op, i, c in row:
+            base = np.array(to_rgb(_rank_colour(i)))
+            colour = base if op == "B" else 1 - 0.45 * (1 - base)
+            ax.barh(r, float(stop - start), left=float(start), height=0.8, color=colour,
+                    edgecolor="white", linewidth=0.6)
+            label = str(i) if chunks == 1 else f"{i}.{c}"
+            if float(stop - start) * 4 >= len(label):      # room for the label
+                ax.text(float(start + stop) / 2, r, label, ha="center", va="center",
+                        fontsize=6, color="white" if op == "B" else "#222222")
+    ax.set_yticks(range(len(intervals)), [f"rank {r}" for r in range(len(intervals))],
+                  fontsize=7)
+    ax.set_ylim(len(intervals) - 0.5, -0.5)
+    ax.set_xlim(0, float(timeline["span"]))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(title, fontsize=8, loc="left")
+
+
+def mesh3d_coords(dp: int, pp: int, tp: int) -> list[dict]:
+    """Build Mesh(pp=...) on dp * pp * tp simulated ranks: [dict(world, d, s, t, tp_group,
+    pp_group, dp_group)] in world-rank order."""
+    from .comm import SimulatedGroup
+
+    def body(comm):
+        mesh = Mesh(comm, tp=tp, dp=dp, pp=pp)
+        return dict(world=comm.rank, d=mesh.dp_rank, s=mesh.pp_rank, t=mesh.tp_rank,
+                    tp_group=mesh.tp.ranks, dp_group=mesh.dp.ranks,
+                    pp_group=mesh.pp.ranks if mesh.pp is not None else (comm.rank,))
+
+    return SimulatedGroup(dp * pp * tp).run(body)
+
+
+def draw_mesh3d(ax, ranks: list[dict]) -> None:
+    """The DP x PP x TP mesh as a block per data-parallel replica: stages left to right,
+    tensor-parallel ranks stacked in each stage (orange boxes: tp groups), arrows along the
+    pp groups, dashed lines joining the replicas' copies of a rank (dp groups)."""
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    dp = max(g["d"] for g in ranks) + 1
+    pp = max(g["s"] for g in ranks) + 1
+    tp = max(g["t"] for g in ranks) + 1
+    width = pp * 1.6 + 0.8
+    pos = {g["world"]: (g["d"] * width + g["s"] * 1.6, -g["t"] * 1.0) for g in ranks}
+    for members in sorted({g["tp_group"] for g in ranks}):
+        xs, ys = zip(*(pos[m] for m in members))
+        ax.add_patch(FancyBboxPatch((xs[0] - 0.45, min(ys) - 0.42), 0.9,
+                                    max(ys) - min(ys) + 0.84, boxstyle="round,pad=0.02",
+                                    facecolor="#fde0c5", edgecolor="#dd8452", zorder=0))
+    for members in sorted({g["pp_group"] for g in ranks}):
+        for a, b in zip(members, members[1:]):
+            (xa, ya), (xb, yb) = pos[a], pos[b]
+            ax.annotate("", (xb - 0.34, yb), (xa + 0.34, ya),
+                        arrowprops=dict(arrowstyle="->", color="#4c72b0", lw=1.4))
+    for members in sorted({g["dp_group"] for g in ranks}):
+        xs, ys = zip(*(pos[m] for m in members))
+        ax.plot(xs, [y - 0.3 for y in ys], color="#55a868", linestyle=":", lw=1.0,
+                zorder=0)
+    for g in ranks:
+        x, y = pos[g["world"]]
+        ax.add_patch(Circle((x, y), 0.3, facecolor="white", edgecolor="#333333", zorder=2))
+        ax.text(x, y, str(g["world"]), ha="center", va="center", fontsize=8, zorder=3)
+        if g["t"] == 0:
+            ax.text(x, 0.62, f"stage {g['s']}", ha="center", fontsize=7)
+    for d in range(dp):
+        ax.text(d * width + (pp - 1) * 0.8, -(tp - 1) - 0.9, f"replica d = {d}",
+                ha="center", fontsize=8, color="#2f7a3f")
+    ax.set_xlim(-0.7, dp * width - 0.5)
+    ax.set_ylim(-(tp - 1) - 1.2, 1.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
