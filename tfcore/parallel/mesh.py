@@ -24,8 +24,8 @@ class Mesh:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if dp is None:
             if world.size % (tp * pp):
-                raise ValueError(f"the world size {world.size} is not a multiple of "
-                                 f"tp={tp} x pp={pp} = {tp * pp}")
+                what = f"tp={tp}" if pp == 1 else f"tp={tp} x pp={pp} = {tp * pp}"
+                raise ValueError(f"the world size {world.size} is not a multiple of {what}")
             dp = world.size // (tp * pp)
         if tp * dp * pp != world.size:
             shape = f"dp={dp} x pp={pp} x tp={tp}" if pp > 1 else f"tp={tp} x dp={dp}"
