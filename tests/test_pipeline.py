@@ -145,3 +145,62 @@ def test_formula_functions_check_their_arguments(args, match):
     with pytest.raises(ValueError, match="schedule must be one of"):
         peak_stored_microbatches("pipedream", 2, 0, 4)
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved"}
+
+
+def test_a_gradient_of_the_wrong_shape_is_refused():
+    from tfcore.parallel.pipeline import PipelineStage
+
+    def body(comm):
+        stage = PipelineStage(_config("tiny"), comm, 2, 0)
+        ids = np.zeros((2, 4), dtype=np.int64)
+        out, cache = stage.chunk_forward(0, ids)                       # X [2, 4, 16]
+        with pytest.raises(ValueError, match=r"G must have shape \(2, 4, 16\)"):
+            stage.chunk_backward(0, np.zeros((2, 4, 15)), cache)
+        stage.chunk_backward(0, np.zeros(out.shape), cache)
+        last = PipelineStage(_config("tiny"), comm, 2, 1)
+        _, cache = last.chunk_forward(0, out, np.ones((2, 4), dtype=np.int64))
+        with pytest.raises(ValueError, match="G must be None on the last virtual stage"):
+            last.chunk_backward(0, out, cache)
+        return True
+
+    assert SimulatedGroup(1).run(body) == [True]
+
+
+def test_the_3d_mesh_numbers_and_refuses():
+    from tfcore.parallel import Mesh
+    from tfcore.parallel.pipeline import mesh3d_coords
+
+    ranks = mesh3d_coords(dp=2, pp=2, tp=2)
+    assert [g["world"] for g in ranks] == [(g["d"] * 2 + g["s"]) * 2 + g["t"] for g in ranks]
+    assert {g["pp_group"] for g in ranks} == {(0, 2), (1, 3), (4, 6), (5, 7)}
+    with pytest.raises(ValueError, match="dp=3 x pp=2 x tp=2 needs 12 ranks, but the world "
+                                         "has 8"):
+        SimulatedGroup(8).run(lambda comm: Mesh(comm, tp=2, dp=3, pp=2))
+    with pytest.raises(ValueError, match="not a multiple of tp=2 x pp=3 = 6"):
+        SimulatedGroup(8).run(lambda comm: Mesh(comm, tp=2, pp=3))
+
+
+def test_the_pictures_draw_from_a_measured_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tfcore.parallel.pipeline import draw_mesh3d, draw_timeline, mesh3d_coords
+
+    results, _ = _run(_config("tiny"), 2, 4, "interleaved", 2, steps=1, batch=4, seq=4)
+    timeline = measure_timeline([r["record"] for r in results], 2, 2)
+    fig, (a, b) = plt.subplots(2, 1)
+    draw_timeline(a, timeline, 4, "interleaved")
+    draw_mesh3d(b, mesh3d_coords(dp=1, pp=2, tp=2))
+    assert len(a.patches) == sum(len(row) for row in timeline["intervals"]) == 2 * 2 * 4 * 2
+    plt.close(fig)
+
+
+def test_train_pipeline_checks_its_sizes():
+    with pytest.raises(ValueError, match="steps must be a positive integer, got 0"):
+        SimulatedGroup(2).run(train_pipeline, _config(), 0, 8, 8, pp=2, n_microbatches=2)
+    with pytest.raises(ValueError, match=r"seq \(99\) exceeds max_seq_len=16"):
+        SimulatedGroup(2).run(train_pipeline, _config(), 1, 8, 99, pp=2, n_microbatches=2)
+    with pytest.raises(ValueError, match="n_virtual must be 1 for the 'gpipe'"):
+        peak_stored_microbatches("gpipe", 2, 0, 4, 2)

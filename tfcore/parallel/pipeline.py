@@ -42,7 +42,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .. import backend, nn
+from .. import backend, checks, nn
 from .. import functional as F
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from . import layers as L
@@ -149,9 +149,7 @@ def peak_stored_microbatches(schedule: str, n_stages: int, rank: int, n_microbat
     rank `rank` holds at once: m (GPipe), min(p - r, m) (1F1B), min(2 (p - r - 1) +
     (v - 1) p + 1, v m) (interleaved). A stage's activations for one micro-batch are v
     chunk caches, so the interleaved count divided by v compares with the others."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    _check_counts(n_stages, n_microbatches, n_virtual)
+    make_schedule(schedule, n_stages, n_microbatches, n_virtual)     # the same checks
     if not isinstance(rank, (int, np.integer)) or not 0 <= rank < n_stages:
         raise ValueError(f"rank must be in 0..{n_stages - 1}, got {rank!r}")
     p, m, v, r = n_stages, n_microbatches, n_virtual, rank
@@ -312,7 +310,7 @@ class PipelineStage(TensorParallelDecoder):
         for i in stage_layers(cfg, self.n_stages, self.n_virtual, self.virtual_stage(chunk)):
             x, c = self._block_forward(f"h{i}", x, ctx)
             c_blocks.append((i, c))
-        out = x
+        out, out_like = x, None
         if self.is_last(chunk):
             if cfg.norm_placement == "pre":
                 x, c_lnf = nn.norm_forward(p, "lnf", x, cfg.norm, cfg.eps)
@@ -322,13 +320,18 @@ class PipelineStage(TensorParallelDecoder):
             loss, c_loss = L.vocab_parallel_cross_entropy_forward(
                 logits, targets, self.vocab[0], tp, None, IGNORE_INDEX)
             out = (float(loss), c_loss[4])        # mean over the micro-batch, its count
-        return out, (c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss)
+        else:
+            out_like = (tuple(x.shape), x.dtype, backend.namespace(x))
+        return out, (c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like)
 
     def chunk_backward(self, chunk: int, G, cache, scale: float = 1.0):
         """scale (last stage): d(step loss)/d(this micro-batch's mean loss) = T_c,mb / T_c."""
         cfg, p = self.config, self.params
-        c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss = cache
+        c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like = cache
         if self.is_last(chunk):
+            if G is not None:
+                raise ValueError("G must be None on the last virtual stage: the loss starts "
+                                 "its backward")
             dlogits = L.vocab_parallel_cross_entropy_backward(scale, c_loss)  # [b, S, V_r]
             dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)   # [b, S, D]
             nn.accumulate(p, "wte" if cfg.tied_head else "head.W",
@@ -338,6 +341,7 @@ class PipelineStage(TensorParallelDecoder):
             if c_lnf is not None:
                 dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
         else:
+            checks.upstream("G", G, *out_like)
             dx = G
         for i, c in reversed(c_blocks):
             dx = self._block_backward(f"h{i}", dx, c)
@@ -357,7 +361,8 @@ def cache_bytes(cache) -> int:
         obj = stack.pop()
         if isinstance(obj, (tuple, list)):
             stack.extend(obj)
-        elif hasattr(obj, "nbytes") and hasattr(obj, "shape") and id(obj) not in seen:
+        elif (isinstance(obj, np.ndarray) or hasattr(type(obj), "__array_namespace__")) \
+                and id(obj) not in seen:
             seen.add(id(obj))
             total += int(obj.nbytes)
     return total
@@ -529,6 +534,11 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     from .runner import HYPER, make_batches
 
     hyper = dict(HYPER, **(hyper or {}))
+    for name, value in (("steps", steps), ("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if seq > config.max_seq_len:
+        raise ValueError(f"seq ({seq}) exceeds max_seq_len={config.max_seq_len}")
     check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual, batch,
                           schedule)
     mesh = Mesh(world, tp=tp, dp=dp, pp=pp)
