@@ -16,8 +16,8 @@ op "F" (forward) or "B" (backward), made by one function per schedule:
     interleaved_schedule(p, m, v)    Megatron-LM's interleaved 1F1B over v chunks per rank
 
 One executor (`run_pipeline_step`) runs any of them on one rank, under SimulatedGroup or
-MPIComm: a forward of virtual stage s > 0 receives its input [b, S, D] from rank
-(s - 1) mod p, a backward of s < p v - 1 the gradient [b, S, D] from rank (s + 1) mod p,
+MPIComm: a forward of virtual stage s > 0 receives its input [B_m, S, D] from rank
+(s - 1) mod p, a backward of s < p v - 1 the gradient [B_m, S, D] from rank (s + 1) mod p,
 with the communicator's counted point-to-point send/recv. Every rank knows every schedule,
 so it knows the order in which a neighbour sends on their link; a message that arrives
 before it is needed (a gradient overtaken by an activation on the same link) is kept until
@@ -163,8 +163,8 @@ def peak_stored_microbatches(schedule: str, n_stages: int, rank: int, n_microbat
 def pipeline_bytes_sent(n_stages: int, rank: int, n_microbatches: int, n_virtual: int,
                         micro_tokens: int, d_model: int, itemsize: int) -> int:
     """Point-to-point bytes rank r sends in one step: per micro-batch, an activation
-    [b, S, D] from every chunk but the last virtual stage and a gradient of the same size
-    from every chunk but virtual stage 0 (micro_tokens = b S). Messages from a rank to
+    [B_m, S, D] from every chunk but the last virtual stage and a gradient of the same size
+    from every chunk but virtual stage 0 (micro_tokens = B_m S). Messages from a rank to
     itself (p = 1) do not move."""
     if n_stages == 1:
         return 0
@@ -249,10 +249,10 @@ class PipelineStage(TensorParallelDecoder):
     """The chunks of one pipeline rank (and its tensor-parallel block of each): the blocks,
     and the embedding / head where they belong. Reuses TensorParallelDecoder's blocks.
 
-        chunk_forward(c, inputs, targets)  inputs: ids [b, S] (virtual stage 0) or
-            X [b, S, D] -> (X [b, S, D] for the next stage, or None and the loss sums on the
-            last), cache
-        chunk_backward(c, G, cache, scale) G [b, S, D] (None on the last stage)
+        chunk_forward(c, inputs, targets)  inputs: ids [B_m, S] (virtual stage 0) or
+            X [B_m, S, D] -> (X [B_m, S, D] for the next stage, or on the last one the
+            micro-batch's mean loss and its counted tokens), cache
+        chunk_backward(c, G, cache, scale) G [B_m, S, D] (None on the last stage)
             -> the gradient of the chunk's input X (None on virtual stage 0)
     """
 
@@ -301,7 +301,7 @@ class PipelineStage(TensorParallelDecoder):
         x = inputs
         if self.is_first(chunk):
             x, c_emb = L.vocab_parallel_embedding_forward(inputs, p["wte"], self.vocab[0],
-                                                          tp)              # [b, S, D]
+                                                          tp)              # [B_m, S, D]
             if cfg.position == "learned":
                 x, c_pos = F.positional_forward(x, p["wpe"][:S, :])
             elif cfg.position == "sinusoidal":
@@ -332,8 +332,8 @@ class PipelineStage(TensorParallelDecoder):
             if G is not None:
                 raise ValueError("G must be None on the last virtual stage: the loss starts "
                                  "its backward")
-            dlogits = L.vocab_parallel_cross_entropy_backward(scale, c_loss)  # [b, S, V_r]
-            dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)   # [b, S, D]
+            dlogits = L.vocab_parallel_cross_entropy_backward(scale, c_loss)  # [B_m, S, V_r]
+            dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)   # [B_m, S, D]
             nn.accumulate(p, "wte" if cfg.tied_head else "head.W",
                           dW.T if cfg.tied_head else dW)
             if db is not None:
@@ -393,7 +393,7 @@ def _messages_on_links(schedule, n_stages, n_virtual, rank):
 
 def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_total: float):
     """Run this rank's operations of `schedule` for one step; gradients add into
-    stage.params.grad. ids, targets [m, b, S] (host): the micro-batches (only the first and
+    stage.params.grad. ids, targets [m, B_m, S] (host): the micro-batches (only the first and
     last virtual stages read them). count_total: T_c, the counted targets of the whole
     global batch. -> dict(loss (the step's loss on the last stage, else None), record
     [(op, micro-batch, chunk, key of the message waited for or None)], peak_live,
@@ -403,7 +403,7 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
     xp = backend.xp()
     D, dtype = stage.config.d_model, stage.params.data.dtype
     like = xp.zeros((1,), dtype=dtype)
-    shape = tuple(ids.shape[1:]) + (D,)                                # [b, S, D]
+    shape = tuple(ids.shape[1:]) + (D,)                                # [B_m, S, D]
     expected = _messages_on_links(schedule, p, v, r)
     position = {src: 0 for src in expected}
     arrived, local, handles = {}, {}, []
@@ -527,7 +527,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
                    gather: bool = True):
     """Rank-local: run on every rank of `world` (SimulatedGroup or MPIComm). The global
     batch [B, S] is split by rows over the dp replicas, each replica's rows into m
-    micro-batches of b = B / (N_D m) rows. -> dict(losses (every rank), params, grads
+    micro-batches of B_m = B / (N_D m) rows. -> dict(losses (every rank), params, grads
     (the full single-device buffers, host; the last step's gradient, summed over dp),
     record, peak_live, peak_bytes, chunk_bytes (of the last step), sent (point-to-point
     bytes this rank sent in each step's pipeline), coords (dp, pp, tp))."""
@@ -560,7 +560,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     losses, grads, sent, out = [], None, [], None
     for t in range(steps):
         stage.params.zero_grad()
-        mb_ids = ids[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)       # [m, b, S]
+        mb_ids = ids[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)   # [m, B_m, S]
         mb_targets = targets[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)
         count = 1.0
         if holds_last:       # T_c of the global batch: this replica's, summed over dp
