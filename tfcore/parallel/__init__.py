@@ -1,11 +1,12 @@
-"""Tensor, sequence and data parallelism over one communicator interface.
+"""Tensor, sequence, data and pipeline parallelism over one communicator interface.
 
     comm        Communicator: SimulatedGroup / SimulatedComm (threads, counted bytes), MPIComm
     mappings    f, g and the sequence-parallel gathers/scatters as forward/backward pairs
     layers      column/row-parallel linears, vocab-parallel embedding and cross-entropy
     model       TensorParallelDecoder, sharded by parameter name from a DecoderLM
     optimizer   DataParallelAdamW (replicated or ZeRO-1)
-    mesh        Mesh: the DP x TP groups
+    mesh        Mesh: the DP x TP groups (DP x PP x TP with pipeline stages)
+    pipeline    stages, micro-batches, schedules as data (GPipe, 1F1B, interleaved), bubble
     volume      closed forms of bytes per collective and per step, parameters per rank
     runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
 """
@@ -22,3 +23,4 @@ from .comm import (  # noqa: F401
 from .mesh import Mesh  # noqa: F401
 from .model import TensorParallelDecoder  # noqa: F401
 from .optimizer import DataParallelAdamW  # noqa: F401
+from .pipeline import bubble_fraction, peak_stored_microbatches  # noqa: F401

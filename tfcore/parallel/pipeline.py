@@ -1,0 +1,703 @@
+"""Pipeline parallelism: consecutive blocks on different ranks, micro-batches, schedules.
+
+Notation: p = N_P pipeline stages (ranks of the pp group), m micro-batches per step, v
+virtual stages (chunks) per rank. The L blocks are cut into p v chunks of L / (p v)
+consecutive blocks; chunk c of rank r is the virtual stage s = c p + r (v = 1: stage r
+holds blocks r L/p .. (r+1) L/p - 1). Virtual stage 0 also holds the embedding (wte, wpe),
+the last one, p v - 1, the final norm, the head and the loss; with a tied head the last
+stage keeps its own copy of wte, and the two copies' gradients are summed (one all-reduce
+between the first and the last stage) before the optimizer, so the copies stay equal.
+
+A schedule is data: for each rank, the ordered list of operations (op, micro-batch, chunk),
+op "F" (forward) or "B" (backward), made by one function per schedule:
+
+    gpipe_schedule(p, m)             every forward, then every backward
+    one_f_one_b_schedule(p, m)       p - r - 1 warm-up forwards, then F, B alternating
+    interleaved_schedule(p, m, v)    Megatron-LM's interleaved 1F1B over v chunks per rank
+
+One executor (`run_pipeline_step`) runs any of them on one rank, under SimulatedGroup or
+MPIComm: a forward of virtual stage s > 0 receives its input [B_m, S, D] from rank
+(s - 1) mod p, a backward of s < p v - 1 the gradient [B_m, S, D] from rank (s + 1) mod p,
+with the communicator's counted point-to-point send/recv. Every rank knows every schedule,
+so it knows the order in which a neighbour sends on their link; a message that arrives
+before it is needed (a gradient overtaken by an activation on the same link) is kept until
+its operation runs.
+
+The timeline. The executor records, per rank, the operations in the order it ran them and,
+for each, the operation whose message it waited for. `measure_timeline` replays that record
+with unit costs (forward t_f, backward t_b per chunk and micro-batch; an operation starts
+when its rank is free and its input has arrived), in exact fractions, and gives each rank's
+busy intervals; the bubble is a rank's idle time over its busy time:
+
+    GPipe, 1F1B:    (p - 1) / m         interleaved:  (p - 1) / (v m)
+
+Memory: the executor counts the caches alive (forward done, backward not yet) on its rank;
+the peak, in chunk caches of one micro-batch, is m for GPipe, min(p - r, m) for 1F1B and
+min(2 (p - r - 1) + (v - 1) p + 1, v m) interleaved (`peak_stored_microbatches`).
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+import numpy as np
+
+from .. import backend, checks, nn
+from .. import functional as F
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
+from . import layers as L
+from .mesh import Mesh
+from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
+from .optimizer import DataParallelAdamW
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# ---------------------------------------------------------------------------------------
+# Schedules as data
+
+
+def _check_counts(n_stages, n_microbatches, n_virtual=1):
+    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches),
+                        ("n_virtual", n_virtual)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def gpipe_schedule(n_stages: int, n_microbatches: int) -> list[list[tuple]]:
+    """Rank r: F(0..m-1) then B(0..m-1), all on chunk 0."""
+    _check_counts(n_stages, n_microbatches)
+    m = n_microbatches
+    return [[("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+            for _ in range(n_stages)]
+
+
+def one_f_one_b_schedule(n_stages: int, n_microbatches: int) -> list[list[tuple]]:
+    """Rank r: w = min(p - r - 1, m) forwards, then (F(w + i), B(i)) for i < m - w, then the
+    remaining backwards. At most w + 1 <= p - r micro-batches wait for their backward."""
+    _check_counts(n_stages, n_microbatches)
+    p, m = n_stages, n_microbatches
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        ops = [("F", i, 0) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i, 0), ("B", i, 0)]
+        out.append(ops + [("B", i, 0) for i in range(m - warm, m)])
+    return out
+
+
+def interleaved_schedule(n_stages: int, n_microbatches: int,
+                         n_virtual: int) -> list[list[tuple]]:
+    """Megatron-LM's interleaved 1F1B. The k-th forward of a rank runs micro-batch
+    (k // (p v)) p + k mod p on chunk (k // p) mod v (p micro-batches through chunk 0, the
+    same p through chunk 1, ...); the k-th backward the same micro-batch on chunk
+    v - 1 - (k // p) mod v. Rank r runs w = min(2 (p - r - 1) + (v - 1) p, v m) forwards
+    first, then alternates F, B, then finishes the backwards. Needs p | m."""
+    _check_counts(n_stages, n_microbatches, n_virtual)
+    p, m, v = n_stages, n_microbatches, n_virtual
+    if m % p:
+        raise ValueError(f"the interleaved schedule needs n_microbatches ({m}) divisible by "
+                         f"n_stages ({p}): micro-batches go through the chunks in groups of p")
+    total = v * m
+
+    def forward(k):
+        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def backward(k):
+        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    out = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        ops = [forward(k) for k in range(warm)]
+        for i in range(total - warm):
+            ops += [forward(warm + i), backward(i)]
+        out.append(ops + [backward(k) for k in range(total - warm, total)])
+    return out
+
+
+def make_schedule(schedule: str, n_stages: int, n_microbatches: int,
+                  n_virtual: int = 1) -> list[list[tuple]]:
+    """[rank] -> [(op, micro-batch, chunk)] for schedule in SCHEDULES."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _check_counts(n_stages, n_microbatches, n_virtual)
+    if schedule == "interleaved":
+        return interleaved_schedule(n_stages, n_microbatches, n_virtual)
+    if n_virtual != 1:
+        raise ValueError(f"n_virtual must be 1 for the {schedule!r} schedule (one chunk per "
+                         f"rank), got {n_virtual}; use 'interleaved' for v > 1")
+    if schedule == "gpipe":
+        return gpipe_schedule(n_stages, n_microbatches)
+    return one_f_one_b_schedule(n_stages, n_microbatches)
+
+
+# ---------------------------------------------------------------------------------------
+# The closed forms (a calculator imports these)
+
+
+def bubble_fraction(n_stages: int, n_microbatches: int, n_virtual: int = 1) -> Fraction:
+    """Idle time over busy time of every rank: (p - 1) / (v m). v = 1 for GPipe and 1F1B."""
+    _check_counts(n_stages, n_microbatches, n_virtual)
+    return Fraction(n_stages - 1, n_virtual * n_microbatches)
+
+
+def peak_stored_microbatches(schedule: str, n_stages: int, rank: int, n_microbatches: int,
+                             n_virtual: int = 1) -> int:
+    """The most chunk caches (one micro-batch through one chunk of L / (p v) blocks) that
+    rank `rank` holds at once: m (GPipe), min(p - r, m) (1F1B), min(2 (p - r - 1) +
+    (v - 1) p + 1, v m) (interleaved). A stage's activations for one micro-batch are v
+    chunk caches, so the interleaved count divided by v compares with the others."""
+    make_schedule(schedule, n_stages, n_microbatches, n_virtual)     # the same checks
+    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < n_stages:
+        raise ValueError(f"rank must be in 0..{n_stages - 1}, got {rank!r}")
+    p, m, v, r = n_stages, n_microbatches, n_virtual, rank
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - r, m)
+    return min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
+
+
+def pipeline_bytes_sent(n_stages: int, rank: int, n_microbatches: int, n_virtual: int,
+                        micro_tokens: int, d_model: int, itemsize: int) -> int:
+    """Point-to-point bytes rank r sends in one step: per micro-batch, an activation
+    [B_m, S, D] from every chunk but the last virtual stage and a gradient of the same size
+    from every chunk but virtual stage 0 (micro_tokens = B_m S). Messages from a rank to
+    itself (p = 1) do not move."""
+    if n_stages == 1:
+        return 0
+    p, v = n_stages, n_virtual
+    stages = [c * p + rank for c in range(v)]
+    messages = sum(s != p * v - 1 for s in stages) + sum(s != 0 for s in stages)
+    return messages * n_microbatches * micro_tokens * d_model * itemsize
+
+
+# ---------------------------------------------------------------------------------------
+# The layout: what refuses before any work
+
+
+def check_pipeline_layout(config: DecoderConfig, world_size: int, pp: int, tp: int = 1,
+                          dp: int | None = None, n_microbatches: int = 1,
+                          n_virtual: int = 1, batch: int | None = None,
+                          schedule: str = "1f1b") -> int:
+    """Raise ValueError naming the sizes when the layout does not divide; -> dp."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    for name, value in (("pp", pp), ("tp", tp), ("n_microbatches", n_microbatches),
+                        ("n_virtual", n_virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (pp * tp):
+            raise ValueError(f"the world size {world_size} is not a multiple of pp={pp} x "
+                             f"tp={tp} = {pp * tp}")
+        dp = world_size // (pp * tp)
+    if dp * pp * tp != world_size:
+        raise ValueError(f"the mesh dp={dp} x pp={pp} x tp={tp} needs {dp * pp * tp} ranks, "
+                         f"but the world has {world_size}")
+    if config.n_layers % (pp * n_virtual):
+        raise ValueError(f"n_layers ({config.n_layers}) must be divisible by pp x n_virtual "
+                         f"= {pp} x {n_virtual} = {pp * n_virtual}: every virtual stage "
+                         "holds the same number of blocks")
+    make_schedule(schedule, pp, n_microbatches, n_virtual)        # its own checks
+    if batch is not None and batch % (dp * n_microbatches):
+        raise ValueError(f"the global batch ({batch}) must be divisible by dp x "
+                         f"n_microbatches = {dp} x {n_microbatches} = {dp * n_microbatches}")
+    if config.dropout > 0:
+        raise ValueError(f"dropout ({config.dropout}) must be 0 in the pipeline: the masks "
+                         "would be drawn in another order than on one device")
+    check_layout(config, tp)
+    return dp
+
+
+def stage_layers(config: DecoderConfig, n_stages: int, n_virtual: int,
+                 virtual_stage: int) -> range:
+    """The blocks of one virtual stage: L / (p v) consecutive ones."""
+    per = config.n_layers // (n_stages * n_virtual)
+    return range(virtual_stage * per, (virtual_stage + 1) * per)
+
+
+def stage_param_names(config: DecoderConfig, n_stages: int, rank: int,
+                      n_virtual: int = 1) -> list[str]:
+    """The parameters rank r of the pipeline holds, in the single-device buffer's order."""
+    p, v = n_stages, n_virtual
+    stages = [c * p + rank for c in range(v)]
+    layers = {i for s in stages for i in stage_layers(config, p, v, s)}
+    first, last = 0 in stages, p * v - 1 in stages
+    names = []
+    for name in config.param_shapes():
+        if name == "wte":
+            keep = first or (last and config.tied_head)
+        elif name == "wpe":
+            keep = first
+        elif re.match(r"h\d+\.", name):
+            keep = int(name[1:].split(".", 1)[0]) in layers
+        else:                                                   # lnf.*, head.*
+            keep = last
+        if keep:
+            names.append(name)
+    return names
+
+
+# ---------------------------------------------------------------------------------------
+# One rank's stage of the model
+
+
+class PipelineStage(TensorParallelDecoder):
+    """The chunks of one pipeline rank (and its tensor-parallel block of each): the blocks,
+    and the embedding / head where they belong. Reuses TensorParallelDecoder's blocks.
+
+        chunk_forward(c, inputs, targets)  inputs: ids [B_m, S] (virtual stage 0) or
+            X [B_m, S, D] -> (X [B_m, S, D] for the next stage, or on the last one the
+            micro-batch's mean loss and its counted tokens), cache
+        chunk_backward(c, G, cache, scale) G [B_m, S, D] (None on the last stage)
+            -> the gradient of the chunk's input X (None on virtual stage 0)
+    """
+
+    def __init__(self, config: DecoderConfig, tp, n_stages: int, stage: int,
+                 n_virtual: int = 1):
+        self.config = config.validate()
+        check_layout(config, tp.size)
+        tp.check_same(config_hash(config, tp=tp.size, pp=n_stages, v=n_virtual),
+                      "the model configuration (or the parallel layout)")
+        self.tp, self.dp, self.sp = tp, None, False
+        self.n_stages, self.stage, self.n_virtual = n_stages, stage, n_virtual
+        self.spec = config.block_spec()
+        self.heads = config.n_heads // tp.size
+        self.vocab = L.vocab_partition(config.vocab_size, tp.size)[tp.rank]   # (v0, v1)
+        from .model import shard_tensor
+        full = config.param_shapes()
+        names = stage_param_names(config, n_stages, stage, n_virtual)
+        self.params = nn.Parameters({n: tuple(shard_tensor(n, np.empty(full[n]), config,
+                                                           tp.size, tp.rank).shape)
+                                     for n in names}, config.dtype)
+        self.replicated = [n for n in names if shard_rule(n) == "replicated"]
+        S_max, dt = config.max_seq_len, config.dtype
+        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)
+                            if config.position == "sinusoidal" else None)
+        from ..functional.rope import rope_tables
+        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)
+                      if config.position == "rotary" else None)
+        self._cache = None
+
+    def virtual_stage(self, chunk: int) -> int:
+        return chunk * self.n_stages + self.stage
+
+    def is_first(self, chunk: int) -> bool:
+        return self.virtual_stage(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.virtual_stage(chunk) == self.n_stages * self.n_virtual - 1
+
+    def chunk_forward(self, chunk: int, inputs, targets=None):
+        cfg, p, tp = self.config, self.params, self.tp
+        S = inputs.shape[1]
+        ctx = dict(training=False, draw=lambda kind: None, rope=None)
+        if self._rope is not None:
+            ctx["rope"] = (self._rope[0][:S, :], self._rope[1][:S, :])
+        c_emb = c_pos = c_lnf = c_head = c_loss = None
+        x = inputs
+        if self.is_first(chunk):
+            x, c_emb = L.vocab_parallel_embedding_forward(inputs, p["wte"], self.vocab[0],
+                                                          tp)              # [B_m, S, D]
+            if cfg.position == "learned":
+                x, c_pos = F.positional_forward(x, p["wpe"][:S, :])
+            elif cfg.position == "sinusoidal":
+                x, _ = F.positional_forward(x, self._sinusoidal[:S, :])
+        c_blocks = []
+        for i in stage_layers(cfg, self.n_stages, self.n_virtual, self.virtual_stage(chunk)):
+            x, c = self._block_forward(f"h{i}", x, ctx)
+            c_blocks.append((i, c))
+        out, out_like = x, None
+        if self.is_last(chunk):
+            if cfg.norm_placement == "pre":
+                x, c_lnf = nn.norm_forward(p, "lnf", x, cfg.norm, cfg.eps)
+            W = p["wte"].T if cfg.tied_head else p["head.W"]               # [D, V_r]
+            bias = p["head.b"] if "head.b" in p else None
+            logits, c_head = L.column_parallel_linear_forward(x, W, bias, tp)
+            loss, c_loss = L.vocab_parallel_cross_entropy_forward(
+                logits, targets, self.vocab[0], tp, None, IGNORE_INDEX)
+            out = (float(loss), c_loss[4])        # mean over the micro-batch, its count
+        else:
+            out_like = (tuple(x.shape), x.dtype, backend.namespace(x))
+        return out, (c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like)
+
+    def chunk_backward(self, chunk: int, G, cache, scale: float = 1.0):
+        """scale (last stage): d(step loss)/d(this micro-batch's mean loss) = T_c,mb / T_c."""
+        cfg, p = self.config, self.params
+        c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like = cache
+        if self.is_last(chunk):
+            if G is not None:
+                raise ValueError("G must be None on the last virtual stage: the loss starts "
+                                 "its backward")
+            dlogits = L.vocab_parallel_cross_entropy_backward(scale, c_loss)  # [B_m, S, V_r]
+            dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)   # [B_m, S, D]
+            nn.accumulate(p, "wte" if cfg.tied_head else "head.W",
+                          dW.T if cfg.tied_head else dW)
+            if db is not None:
+                nn.accumulate(p, "head.b", db)
+            if c_lnf is not None:
+                dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+        else:
+            checks.upstream("G", G, *out_like)
+            dx = G
+        for i, c in reversed(c_blocks):
+            dx = self._block_backward(f"h{i}", dx, c)
+        if not self.is_first(chunk):
+            return dx
+        if c_pos is not None:
+            _, dP = F.positional_backward(dx, c_pos)                      # [S, D]
+            p.grad_of("wpe")[:dP.shape[0], :] += dP
+        nn.accumulate(p, "wte", L.vocab_parallel_embedding_backward(dx, c_emb))
+        return None
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of the distinct arrays a cache holds (nested tuples and lists)."""
+    seen, total, stack = set(), 0, [cache]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+        elif (isinstance(obj, np.ndarray) or hasattr(type(obj), "__array_namespace__")) \
+                and id(obj) not in seen:
+            seen.add(id(obj))
+            total += int(obj.nbytes)
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+# The executor
+
+
+def _messages_on_links(schedule, n_stages, n_virtual, rank):
+    """{src: [keys in the order src sends them to `rank`]} from the senders' schedules.
+    A key ("F", i, s) is the input of F on virtual stage s, ("B", i, s) the gradient."""
+    p, last = n_stages, n_stages * n_virtual - 1
+    order = {}
+    for src in range(p):
+        for op, i, c in schedule[src]:
+            s = c * p + src
+            if op == "F" and s != last:
+                key, dst = ("F", i, s + 1), (s + 1) % p
+            elif op == "B" and s != 0:
+                key, dst = ("B", i, s - 1), (s - 1) % p
+            else:
+                continue
+            if dst == rank and src != rank:
+                order.setdefault(src, []).append(key)
+    return order
+
+
+def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_total: float):
+    """Run this rank's operations of `schedule` for one step; gradients add into
+    stage.params.grad. ids, targets [m, B_m, S] (host): the micro-batches (only the first and
+    last virtual stages read them). count_total: T_c, the counted targets of the whole
+    global batch. -> dict(loss (the step's loss on the last stage, else None), record
+    [(op, micro-batch, chunk, key of the message waited for or None)], peak_live,
+    peak_bytes, chunk_bytes {chunk: bytes of one micro-batch's cache})."""
+    p, v = stage.n_stages, stage.n_virtual
+    r = stage.stage
+    xp = backend.xp()
+    D, dtype = stage.config.d_model, stage.params.data.dtype
+    like = xp.zeros((1,), dtype=dtype)
+    shape = tuple(ids.shape[1:]) + (D,)                                # [B_m, S, D]
+    expected = _messages_on_links(schedule, p, v, r)
+    position = {src: 0 for src in expected}
+    arrived, local, handles = {}, {}, []
+    caches, loss_sum = {}, 0.0
+    record, live, peak_live, peak_bytes, live_bytes = [], 0, 0, 0, 0
+    chunk_bytes = {}                                  # chunk -> bytes of one cache
+
+    def send(key, dst, x):
+        if dst == r:
+            local[key] = x
+        else:
+            flat = xp.reshape(xp.asarray(x, copy=True), (-1,))
+            handles.append(pp.send(dst, flat))
+
+    def receive(key, src):
+        if src == r:
+            return local.pop(key)
+        while key not in arrived:                 # take the link's messages in its order
+            if position[src] >= len(expected[src]):
+                raise RuntimeError(f"rank {r}: rank {src} never sends {key}")
+            next_key = expected[src][position[src]]
+            position[src] += 1
+            flat = pp.recv(src, int(np.prod(shape)), like)
+            arrived[next_key] = xp.reshape(flat, shape)
+        return arrived.pop(key)
+
+    last = p * v - 1
+    for op, i, c in schedule[r]:
+        s = c * p + r
+        if op == "F":
+            if s == 0:
+                inputs, waited = backend.asarray(ids[i]), None
+            else:
+                waited = ("F", i, s - 1)
+                inputs = receive(("F", i, s), (s - 1) % p)
+            out, cache = stage.chunk_forward(c, inputs, backend.asarray(targets[i])
+                                             if s == last else None)
+            caches[(i, c)] = cache
+            live += 1
+            chunk_bytes[c] = cache_bytes(cache)        # the same for every micro-batch
+            live_bytes += chunk_bytes[c]
+            peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
+            if s == last:
+                mean, count = out
+                loss_sum += mean * count / count_total
+            else:
+                send(("F", i, s + 1), (s + 1) % p, out)
+        else:
+            cache = caches.pop((i, c))
+            if s == last:
+                G, waited = None, ("F", i, s)
+                scale = cache[5][4] / count_total          # T_c of the micro-batch / T_c
+            else:
+                waited = ("B", i, s + 1)
+                G, scale = receive(("B", i, s), (s + 1) % p), 1.0
+            dx = stage.chunk_backward(c, G, cache, scale)
+            live -= 1
+            live_bytes -= cache_bytes(cache)
+            if s != 0:
+                send(("B", i, s - 1), (s - 1) % p, dx)
+        record.append((op, int(i), int(c), waited))
+    for handle in handles:
+        pp._wait(handle)
+    if caches or arrived or local:
+        raise RuntimeError(f"rank {r}: the schedule left work behind: caches "
+                           f"{sorted(caches)}, messages {sorted(arrived) + sorted(local)}")
+    return dict(loss=loss_sum if any(c * p + r == last for c in range(v)) else None,
+                record=record, peak_live=peak_live, peak_bytes=peak_bytes,
+                chunk_bytes=chunk_bytes)
+
+
+# ---------------------------------------------------------------------------------------
+# The timeline, measured from the executor's record with unit costs
+
+
+def measure_timeline(records, n_stages: int, n_virtual: int = 1, cost_forward=1,
+                     cost_backward=2) -> dict:
+    """records[r]: rank r's record from run_pipeline_step. Replays it: each operation starts
+    when its rank has finished the previous one and the operation whose message it waited
+    for has finished, and lasts cost_forward or cost_backward (Fractions, exact).
+    -> dict(intervals [rank] -> [(start, stop, op, micro-batch, chunk)], span, busy [rank],
+    idle [rank], bubble [rank] = idle / busy)."""
+    p = n_stages
+    cost = dict(F=Fraction(cost_forward), B=Fraction(cost_backward))
+    finished = {}                                   # (op, micro-batch, virtual stage) -> time
+    clock = [Fraction(0)] * p
+    position = [0] * p
+    intervals = [[] for _ in range(p)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while position[r] < len(records[r]):
+                op, i, c, waited = records[r][position[r]]
+                if waited is not None and waited not in finished:
+                    break                            # its input has not arrived yet
+                start = max(clock[r], finished[waited] if waited is not None else 0)
+                stop = start + cost[op]
+                finished[(op, i, c * p + r)] = stop
+                clock[r] = stop
+                intervals[r].append((start, stop, op, i, c))
+                position[r] += 1
+                progress = True
+    if any(position[r] < len(records[r]) for r in range(p)):
+        raise RuntimeError("the record cannot be replayed: an operation waits for one that "
+                           "never finishes")
+    span = max(clock)
+    busy = [sum((b - a for a, b, *_ in intervals[r]), Fraction(0)) for r in range(p)]
+    idle = [span - busy[r] for r in range(p)]
+    return dict(intervals=intervals, span=span, busy=busy, idle=idle,
+                bubble=[idle[r] / busy[r] for r in range(p)])
+
+
+# ---------------------------------------------------------------------------------------
+# Training on a DP x PP x TP mesh
+
+
+def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,
+                   pp: int, n_microbatches: int, schedule: str = "1f1b", n_virtual: int = 1,
+                   tp: int = 1, dp: int | None = None, seed: int = 0, hyper=None,
+                   gather: bool = True):
+    """Rank-local: run on every rank of `world` (SimulatedGroup or MPIComm). The global
+    batch [B, S] is split by rows over the dp replicas, each replica's rows into m
+    micro-batches of B_m = B / (N_D m) rows. -> dict(losses (every rank), params, grads
+    (the full single-device buffers, host; the last step's gradient, summed over dp),
+    record, peak_live, peak_bytes, chunk_bytes (of the last step), sent (point-to-point
+    bytes this rank sent in each step's pipeline), coords (dp, pp, tp))."""
+    from .runner import HYPER, make_batches
+
+    hyper = dict(HYPER, **(hyper or {}))
+    for name, value in (("steps", steps), ("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if seq > config.max_seq_len:
+        raise ValueError(f"seq ({seq}) exceeds max_seq_len={config.max_seq_len}")
+    check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual, batch,
+                          schedule)
+    mesh = Mesh(world, tp=tp, dp=dp, pp=pp)
+    plan = make_schedule(schedule, pp, n_microbatches, n_virtual)
+    world.check_same(f"{schedule} m={n_microbatches} v={n_virtual}", "the pipeline schedule")
+    stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, n_virtual)
+    stage.load_full(DecoderLM(config).init(seed).params)
+    p, v, r = pp, n_virtual, mesh.pp_rank
+    holds_last = any(c * p + r == p * v - 1 for c in range(v))
+    # a tied head: the first and the last stage each hold wte; their gradients are summed
+    tied = None
+    if config.tied_head and p > 1 and r in (0, p - 1):
+        tied = mesh.pp.subgroup([0, p - 1], name="embedding")
+    opt = DataParallelAdamW(stage.params, mesh.dp, **hyper)
+    ids, targets = make_batches(config, steps, batch, seq, seed)
+    rows = batch // mesh.dp_size
+    b0 = mesh.dp_rank * rows
+    micro = rows // n_microbatches
+    losses, grads, sent, out = [], None, [], None
+    for t in range(steps):
+        stage.params.zero_grad()
+        mb_ids = ids[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)   # [m, B_m, S]
+        mb_targets = targets[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)
+        count = 1.0
+        if holds_last:       # T_c of the global batch: this replica's, summed over dp
+            local = np.array([float(np.sum(mb_targets != IGNORE_INDEX))])
+            total = mesh.dp.all_reduce(backend.asarray(local)) if mesh.dp_size > 1 else local
+            count = max(float(backend.to_numpy(total)[0]), 1.0)
+        before = world.traffic.sent
+        out = run_pipeline_step(stage, mesh.pp, plan, mb_ids, mb_targets, count)
+        sent.append(world.traffic.sent - before)
+        if tied is not None:
+            g = stage.params.grad_of("wte")
+            g[...] = xp_reshape(tied.all_reduce(xp_reshape(g, (-1,))), g.shape)
+        opt.step()
+        losses.append(out["loss"])
+        if gather and t == steps - 1:
+            grads = gather_full(stage, mesh, config, "grad")
+    # every rank reports the losses: the last stages' shares summed over dp (each replica's
+    # share is its tokens' loss over the global T_c), then sent down the pipeline
+    xp = backend.xp()
+    mine = xp.asarray(np.array(losses if holds_last else [0.0] * steps, dtype=np.float64))
+    if holds_last and mesh.dp_size > 1:
+        mine = mesh.dp.all_reduce(mine)
+    if p > 1:
+        mine = mesh.pp.broadcast(mine, root=p - 1)
+    losses = [float(x) for x in backend.to_numpy(mine)]
+    params = gather_full(stage, mesh, config, "data") if gather else None
+    return dict(losses=losses, params=params, grads=grads, record=out["record"],
+                peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],
+                chunk_bytes=out["chunk_bytes"], sent=sent,
+                coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), local_params=stage.params.size)
+
+
+def xp_reshape(x, shape):
+    return backend.namespace(x).reshape(x, shape)
+
+
+def gather_full(stage: PipelineStage, mesh: Mesh, config: DecoderConfig, which: str):
+    """The single-device flat buffer (host float64) on every rank: each stage's tensors are
+    unsharded over tp, then the stages' tensors collected over pp (objects, not counted)."""
+    from .model import unshard_tensor
+
+    get = stage.params.__getitem__ if which == "data" else stage.params.grad_of
+    mine = {}
+    for name in stage.params.names:
+        local = np.array(backend.to_numpy(get(name)))
+        if shard_rule(name) == "replicated":
+            mine[name] = local
+        else:
+            pieces = mesh.tp.all_gather_object(local)
+            mine[name] = np.asarray(unshard_tensor(name, pieces, config))
+    merged = {}
+    for part in (mesh.pp.all_gather_object(mine) if mesh.pp is not None else [mine]):
+        for name, value in part.items():
+            merged.setdefault(name, value)          # wte: the first stage's copy
+    return np.concatenate([merged[n].reshape(-1) for n in config.param_shapes()])
+
+
+# ---------------------------------------------------------------------------------------
+# Pictures, drawn from measured timelines and real meshes (matplotlib imported here only)
+
+
+def draw_timeline(ax, timeline: dict, n_microbatches: int, title: str = "") -> None:
+    """A Gantt chart: one row per rank, a box per operation at its measured interval,
+    coloured by micro-batch (forward light, backward dark), labelled i or i.c (chunk c)."""
+    from matplotlib.colors import to_rgb
+
+    from .diagrams import _rank_colour
+
+    intervals = timeline["intervals"]
+    chunks = max((c for row in intervals for *_, c in row), default=0) + 1
+    for r, row in enumerate(intervals):
+        for start, stop, op, i, c in row:
+            base = np.array(to_rgb(_rank_colour(i)))
+            colour = base if op == "B" else 1 - 0.45 * (1 - base)
+            ax.barh(r, float(stop - start), left=float(start), height=0.8, color=colour,
+                    edgecolor="white", linewidth=0.6)
+            label = str(i) if chunks == 1 else f"{i}.{c}"
+            if float(stop - start) * 4 >= len(label):      # room for the label
+                ax.text(float(start + stop) / 2, r, label, ha="center", va="center",
+                        fontsize=6, color="white" if op == "B" else "#222222")
+    ax.set_yticks(range(len(intervals)), [f"rank {r}" for r in range(len(intervals))],
+                  fontsize=7)
+    ax.set_ylim(len(intervals) - 0.5, -0.5)
+    ax.set_xlim(0, float(timeline["span"]))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(title, fontsize=8, loc="left")
+
+
+def mesh3d_coords(dp: int, pp: int, tp: int) -> list[dict]:
+    """Build Mesh(pp=...) on dp * pp * tp simulated ranks: [dict(world, d, s, t, tp_group,
+    pp_group, dp_group)] in world-rank order."""
+    from .comm import SimulatedGroup
+
+    def body(comm):
+        mesh = Mesh(comm, tp=tp, dp=dp, pp=pp)
+        return dict(world=comm.rank, d=mesh.dp_rank, s=mesh.pp_rank, t=mesh.tp_rank,
+                    tp_group=mesh.tp.ranks, dp_group=mesh.dp.ranks,
+                    pp_group=mesh.pp.ranks if mesh.pp is not None else (comm.rank,))
+
+    return SimulatedGroup(dp * pp * tp).run(body)
+
+
+def draw_mesh3d(ax, ranks: list[dict]) -> None:
+    """The DP x PP x TP mesh as a block per data-parallel replica: stages left to right,
+    tensor-parallel ranks stacked in each stage (orange boxes: tp groups), arrows along the
+    pp groups, dashed lines joining the replicas' copies of a rank (dp groups)."""
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    dp = max(g["d"] for g in ranks) + 1
+    pp = max(g["s"] for g in ranks) + 1
+    tp = max(g["t"] for g in ranks) + 1
+    width = pp * 1.6 + 0.8
+    pos = {g["world"]: (g["d"] * width + g["s"] * 1.6, -g["t"] * 1.0) for g in ranks}
+    for members in sorted({g["tp_group"] for g in ranks}):
+        xs, ys = zip(*(pos[m] for m in members))
+        ax.add_patch(FancyBboxPatch((xs[0] - 0.45, min(ys) - 0.42), 0.9,
+                                    max(ys) - min(ys) + 0.84, boxstyle="round,pad=0.02",
+                                    facecolor="#fde0c5", edgecolor="#dd8452", zorder=0))
+    for members in sorted({g["pp_group"] for g in ranks}):
+        for a, b in zip(members, members[1:]):
+            (xa, ya), (xb, yb) = pos[a], pos[b]
+            ax.annotate("", (xb - 0.34, yb), (xa + 0.34, ya),
+                        arrowprops=dict(arrowstyle="->", color="#4c72b0", lw=1.4))
+    for members in sorted({g["dp_group"] for g in ranks}):
+        xs, ys = zip(*(pos[m] for m in members))
+        ax.plot(xs, [y - 0.3 for y in ys], color="#55a868", linestyle=":", lw=1.0,
+                zorder=0)
+    for g in ranks:
+        x, y = pos[g["world"]]
+        ax.add_patch(Circle((x, y), 0.3, facecolor="white", edgecolor="#333333", zorder=2))
+        ax.text(x, y, str(g["world"]), ha="center", va="center", fontsize=8, zorder=3)
+        if g["t"] == 0:
+            ax.text(x, 0.62, f"stage {g['s']}", ha="center", fontsize=7)
+    for d in range(dp):
+        ax.text(d * width + (pp - 1) * 0.8, -(tp - 1) - 0.9, f"replica d = {d}",
+                ha="center", fontsize=8, color="#2f7a3f")
+    ax.set_xlim(-0.7, dp * width - 0.5)
+    ax.set_ylim(-(tp - 1) - 1.2, 1.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
