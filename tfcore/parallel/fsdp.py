@@ -9,7 +9,7 @@ parameter buffer, in the order the forward uses them:
 
 and each unit u is split over the N_D data-parallel ranks by chunk_bounds(M_u, N_D): rank d
 keeps chunk c_{u,d} of it. A rank's shard is the concatenation of its chunks of every unit,
-S_d = sum_u c_{u,d} elements; it holds the AdamW moments m, v [S_d] and the gradient [S_d].
+Z_d = sum_u c_{u,d} elements; it holds the AdamW moments m, v [Z_d] and the gradient [Z_d].
 
 * ZeRO-2 (stage=2): every rank holds the whole parameters [P] (as DP and ZeRO-1 do). The
   backward produces one unit's gradient at a time in a transient buffer [M_u], which is
@@ -17,7 +17,7 @@ S_d = sum_u c_{u,d} elements; it holds the AdamW moments m, v [S_d] and the grad
   and freed: the whole gradient [P] never exists. The step updates the shard; an all-gather
   per unit gives every rank the whole parameters again. Per rank-step: one reduce-scatter and
   one all-gather of every unit, 2 Psi (N_D - 1)/N_D on average over the ranks.
-* ZeRO-3 / FSDP (stage=3): a rank keeps only its shard of the parameters [S_d]. Before a
+* ZeRO-3 / FSDP (stage=3): a rank keeps only its shard of the parameters [Z_d]. Before a
   unit's forward the unit is all-gathered into a transient buffer [M_u]; after it the buffer
   is freed (the forward's caches keep only placeholders where they held a weight); before the
   unit's backward it is gathered again, the placeholders are pointed at the new buffer, the
@@ -82,7 +82,7 @@ def unit_uses(config: DecoderConfig) -> dict[str, int]:
 class Unit:
     """One unit on one rank: its tensors' shapes and offsets inside the unit buffer [M],
     where the unit sits in the full local buffer (start, stop), its dp chunks (bounds) and
-    where this rank's chunk sits in the shard [S_d] (shard_start, shard_stop)."""
+    where this rank's chunk sits in the shard [Z_d] (shard_start, shard_stop)."""
 
     def __init__(self, name, shapes: dict, start: int, dp_size: int, dp_rank: int,
                  shard_start: int):
@@ -227,7 +227,7 @@ class ShardedDecoder(TensorParallelDecoder):
         logits, loss = model.forward(ids, targets, batch_rows=...); model.backward()
         ShardedAdamW(model, **hyper).step()
 
-    Holds: shard_grad [S_d]; stage 3: shard [S_d]; stage 2: data [P] (the whole local
+    Holds: shard_grad [Z_d]; stage 3: shard [Z_d]; stage 2: data [P] (the whole local
     parameters). `ledger` counts them and every transient unit buffer.
     """
 
@@ -252,12 +252,12 @@ class ShardedDecoder(TensorParallelDecoder):
         if start != self.size:
             raise RuntimeError("internal: the units must tile the parameter buffer")
         self.uses = unit_uses(config)
-        self.shard_size = shard                           # S_d
+        self.shard_size = shard                           # Z_d
         self.ledger = Ledger()
-        self.shard_grad = np.zeros(shard, dtype=self.dtype)           # [S_d]
+        self.shard_grad = np.zeros(shard, dtype=self.dtype)           # [Z_d]
         self.ledger.hold("grads", self.shard_grad, "shard")
         if stage == 3:
-            self.shard = np.zeros(shard, dtype=self.dtype)            # [S_d]
+            self.shard = np.zeros(shard, dtype=self.dtype)            # [Z_d]
             self.ledger.hold("params", self.shard, "shard")
         else:
             self.data = np.zeros(self.size, dtype=self.dtype)         # [P]
@@ -427,7 +427,7 @@ class ShardedDecoder(TensorParallelDecoder):
         return names + (["embed"] if self.config.tied_head else [])
 
     def backward(self):
-        """Gradients, unit by unit in reverse, reduce-scattered into shard_grad [S_d]."""
+        """Gradients, unit by unit in reverse, reduce-scattered into shard_grad [Z_d]."""
         if self._cache is None or self._cache[-1] is None:
             raise RuntimeError("backward() needs a forward() with targets first")
         c_embed, c_blocks, c_final, c_loss = self._cache
@@ -470,7 +470,7 @@ class ShardedDecoder(TensorParallelDecoder):
 
 
 class ShardedAdamW:
-    """AdamW on a ShardedDecoder's shard: m, v [S_d]; adamw_update on the shard; stage 2 then
+    """AdamW on a ShardedDecoder's shard: m, v [Z_d]; adamw_update on the shard; stage 2 then
     all-gathers each unit into the whole parameters, stage 3 keeps the shard."""
 
     def __init__(self, model: ShardedDecoder, lr: float = 1e-3, beta1: float = 0.9,
@@ -478,8 +478,8 @@ class ShardedAdamW:
         self.model = model
         self.hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         units = model.units.values()
-        self.mask = np.concatenate([model.chunk_of(u, model.decay) for u in units])  # [S_d]
-        self.m = np.zeros(model.shard_size, dtype=model.dtype)                 # [S_d]
+        self.mask = np.concatenate([model.chunk_of(u, model.decay) for u in units])  # [Z_d]
+        self.m = np.zeros(model.shard_size, dtype=model.dtype)                 # [Z_d]
         self.v = np.zeros(model.shard_size, dtype=model.dtype)
         model.ledger.hold("optimizer", self.m, "m")
         model.ledger.hold("optimizer", self.v, "v")
@@ -496,7 +496,7 @@ class ShardedAdamW:
                          decay_mask=self.mask, **self.hyper)
             return
         units = list(model.units.values())
-        shard = np.concatenate([model.chunk_of(u, model.data) for u in units])   # [S_d]
+        shard = np.concatenate([model.chunk_of(u, model.data) for u in units])   # [Z_d]
         adamw_update(shard, model.shard_grad, self.m, self.v, self.t, decay_mask=self.mask,
                      **self.hyper)
         for u in units:

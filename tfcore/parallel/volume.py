@@ -198,7 +198,7 @@ def unit_phases(config, tp: int = 1, t: int = 0) -> list[int]:
 
 
 def shard_elements(config, tp: int, t: int, dp: int, d: int) -> int:
-    """S_d: elements of dp rank d's shard under ZeRO-2/3 (its chunk of every unit)."""
+    """Z_d: elements of dp rank d's shard under ZeRO-2/3 (its chunk of every unit)."""
     return sum(b - a for _, M, _ in unit_elements(config, tp, t)
                for a, b in [chunk_bounds(M, dp)[d]])
 
@@ -248,21 +248,21 @@ def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
     """Bytes of parameters, gradients and AdamW state that rank (d, t) holds at the peak of
     a step, and the transient part of them ('gathered': the whole units in use):
 
-        zero 0   params P     grads P              optimizer 2 P
-        zero 1   params P     grads P              optimizer 2 c_d     (c_d = chunk d of P)
-        zero 2   params P     grads S_d + G        optimizer 2 S_d
-        zero 3   params S_d + G   grads S_d + G    optimizer 2 S_d
-    P = P_t, S_d the shard (shard_elements), G = the largest phase (unit_phases): the units
-    gathered at once, whose gradients the backward holds at the same moment."""
+        zero 0   params P             grads P              optimizer 2 P
+        zero 1   params P             grads P              optimizer 2 c_d  (chunk d of P)
+        zero 2   params P             grads Z_d + M_max    optimizer 2 Z_d
+        zero 3   params Z_d + M_max   grads Z_d + M_max    optimizer 2 Z_d
+    P = P_t, Z_d the shard (shard_elements), M_max the largest phase (unit_phases): the
+    units gathered at once, whose gradients the backward holds at the same moment."""
     P = local_parameters(config, tp, t)
     if zero in (0, 1):
         c = chunk_bounds(P, dp)[d]
         opt = 2 * P if zero == 0 else 2 * (c[1] - c[0])
         params, grads, gathered = P, P, 0
     elif zero in (2, 3):
-        S, G = shard_elements(config, tp, t, dp, d), max(unit_phases(config, tp, t))
-        opt, grads, gathered = 2 * S, S + G, G
-        params = P if zero == 2 else S + G
+        Z, M_max = shard_elements(config, tp, t, dp, d), max(unit_phases(config, tp, t))
+        opt, grads, gathered = 2 * Z, Z + M_max, M_max
+        params = P if zero == 2 else Z + M_max
     else:
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     out = dict(params=params, grads=grads, optimizer=opt, gathered=gathered)
