@@ -172,7 +172,7 @@ def test_plan_refuses_bad_layouts(kwargs, match):
         plan(CASES["gpt"], **args)
 
 
-def test_bad_stage_and_sequence_parallel_refused():
+def test_train_sharded_refuses_a_bad_stage():
     with pytest.raises(ValueError, match="stage must be one of"):
         SimulatedGroup(2).run(train_sharded, CASES["gpt"], 1, 4, SEQ, dp=2, stage=1)
 

@@ -237,6 +237,8 @@ class ShardedDecoder(TensorParallelDecoder):
                              f"got {stage!r}")
         if backend.get_backend() != "numpy":
             raise ValueError("ZeRO-2/3 here run on the NumPy backend (host arrays)")
+        # the parent builds this rank's whole buffers once, for their shapes and decay
+        # mask; they are dropped at once (stage 2 then holds its own copy of the values)
         super().__init__(config, tp, dp, sequence_parallel=False)
         shapes = self.params.shapes                       # this tensor-parallel rank's shapes
         self.dtype = self.params.dtype
