@@ -296,6 +296,8 @@ class ShardedDecoder(TensorParallelDecoder):
             return self.data[unit.start:unit.stop]
         buf = self.dp.all_gather_flat(self.shard[unit.shard_start:unit.shard_stop],
                                       unit.bounds)
+        if buf.base is not None:      # own the memory, so that the ledger watches the memory
+            buf = buf.copy()
         key = self.ledger.hold("params", buf, f"{unit.name} ({why})")
         self._gathered[unit.name] = (weakref.ref(buf), key)
         return buf
