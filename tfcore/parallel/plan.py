@@ -12,9 +12,12 @@ A pure function of the config and the layout: nothing is allocated, nothing runs
 number comes from the closed forms of volume.py (bytes per collective with the exact
 chunking, memory per ZeRO stage) and models/sizes.py (activations), which the tests compare
 with the simulated runs: the counted bytes of every call and the ledger of every array a
-rank holds (fsdp.py). Layouts it cannot price exactly give None rather than a guess:
-activations with tp > 1 (sizes.py describes one device's caches), memory and traffic with
-pp > 1 or microbatches > 1 (the pipeline's per-stage tables join here with that module).
+rank holds (fsdp.py). The activations are one device's caches for the rows of one
+data-parallel rank (sizes.py); the parallel model's caches keep a few bytes per token more
+(the vocabulary masks and indices of its embedding and cross-entropy), not priced here.
+Layouts it cannot price give None rather than a guess: activations with tp > 1, memory and
+traffic with pp > 1 or microbatches > 1 (the pipeline's per-stage tables join here with
+that module).
 """
 from __future__ import annotations
 
