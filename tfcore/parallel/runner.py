@@ -100,8 +100,12 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
         if not zero and gather and t == steps - 1:   # the summed gradient (step leaves it)
             grads = np.array(backend.to_numpy(model.gather_full("grad")))
     params = np.array(backend.to_numpy(model.gather_full("data"))) if gather else None
+    b = np.dtype(model.params.dtype).itemsize                   # what this rank keeps:
+    held = dict(params=model.params.data.size * b, grads=model.params.grad.size * b,
+                optimizer=(opt.m.size + opt.v.size) * b)
     return dict(losses=losses, params=params, grads=grads, step_calls=step_calls,
-                local_params=model.params.size, state_bytes=opt.state_bytes(), times=times)
+                local_params=model.params.size, state_bytes=opt.state_bytes(), times=times,
+                held=held)
 
 
 def checksum(flat) -> str:

@@ -139,3 +139,131 @@ def step_bytes(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, z
                 for op in ops:
                     sent[w] += collective_bytes(op, algorithm, P, dp, itemsize)["sent"][d]
     return dict(total=sum(sent), sent=sent)
+
+
+# ---------------------------------------------------------------------------------------
+# ZeRO-2 and ZeRO-3 (fsdp.py): per-unit sizes, the data-parallel collectives of a step, and
+# what a rank holds. Psi = P_t b, the bytes of one tensor-parallel rank's parameters.
+#
+#   stage   data-parallel collectives of one step (ring, per unit u of M_u elements)
+#   0       all_reduce(P_t)                                  2 (N_D-1)/N_D Psi per rank
+#   1       reduce_scatter(P_t) + all_gather(P_t)            2 (N_D-1)/N_D Psi
+#   2       uses_u x reduce_scatter(M_u) + all_gather(M_u)   2 (N_D-1)/N_D Psi (untied head)
+#   3       uses_u x (2 all_gather(M_u) + reduce_scatter(M_u))   3 (N_D-1)/N_D Psi
+#
+# "(N_D-1)/N_D Psi" is exact for the mean over the dp ranks whatever the chunking (the
+# chunks of a buffer add up to it); rank d's own count is M - c_d (reduce-scatter) and
+# M - c_{d+1} (all-gather) per buffer, which is (N_D-1)/N_D M when N_D divides M. A tied head
+# uses the embed unit twice (uses = 2), so its bytes count twice in the reduce-scatters
+# (stage 2) or in all three (stage 3).
+
+
+def local_shape(name: str, shape, config, tp: int, t: int) -> tuple:
+    """The shape of tensor `name` on tensor-parallel rank t (model.shard_tensor's rule,
+    without allocating anything)."""
+    from .model import shard_rule
+
+    shape = tuple(int(n) for n in shape)
+    rule = shard_rule(name)
+    a, b = chunk_bounds(config.vocab_size, tp)[t]
+    if rule == "vocab_rows":
+        return (b - a,) + shape[1:]
+    if rule == "vocab_cols":
+        return shape[:-1] + (b - a,)
+    if rule in ("qkv_cols", "cols"):
+        return shape[:-1] + (shape[-1] // tp,)
+    if rule == "rows":
+        return (shape[0] // tp,) + shape[1:]
+    return shape
+
+
+def unit_elements(config, tp: int = 1, t: int = 0) -> list[tuple[str, int, int]]:
+    """[(unit, M_u, uses_u)] of fsdp's units on tensor-parallel rank t, in forward order."""
+    import math
+
+    from .fsdp import unit_names, unit_uses
+
+    shapes, uses = config.param_shapes(), unit_uses(config)
+    return [(u, sum(math.prod(local_shape(n, shapes[n], config, tp, t)) for n in names),
+             uses[u]) for u, names in unit_names(config)]
+
+
+def unit_phases(config, tp: int = 1, t: int = 0) -> list[int]:
+    """Elements gathered at once in each phase of the forward (and again of the backward):
+    the embedding, each block, the head (with the embed unit too when the head is tied)."""
+    units = {u: M for u, M, _ in unit_elements(config, tp, t)}
+    head = units.get("head", 0) + (units["embed"] if config.tied_head else 0)
+    return [units["embed"]] + [units[f"h{i}"] for i in range(config.n_layers)] + (
+        [head] if head else [])
+
+
+def shard_elements(config, tp: int, t: int, dp: int, d: int) -> int:
+    """Z_d: elements of dp rank d's shard under ZeRO-2/3 (its chunk of every unit)."""
+    return sum(b - a for _, M, _ in unit_elements(config, tp, t)
+               for a, b in [chunk_bounds(M, dp)[d]])
+
+
+def zero_collectives(config, tp: int, t: int, dp: int, zero: int) -> list[tuple[str, int]]:
+    """[(op, M)] over the dp group of one step's gradient and parameter traffic at `zero`
+    (0 = replicated DP), for tensor-parallel rank t: the table above."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if dp == 1:
+        return []
+    P = local_parameters(config, tp, t)
+    if zero == 0:
+        return [("all_reduce", P)]
+    if zero == 1:
+        return [("reduce_scatter", P), ("all_gather", P)]
+    calls = []
+    for _, M, uses in unit_elements(config, tp, t):
+        if zero == 2:
+            calls += [("reduce_scatter", M)] * uses + [("all_gather", M)]
+        else:
+            calls += [("all_gather", M), ("all_gather", M), ("reduce_scatter", M)] * uses
+    return calls
+
+
+def step_traffic(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, zero: int,
+                 algorithm: str = "ring", itemsize: int = 8) -> list[dict]:
+    """Bytes each world rank sends in one training step, by (group, op):
+    [{(group, op): bytes}] per world rank w = d * tp + t. ZeRO stages 0-3."""
+    out = []
+    for d in range(dp):
+        for t in range(tp):
+            by_op: dict = {}
+            calls = [(g, op, M) for g, op, M in step_collectives(config, batch_local, seq,
+                                                                  tp, dp, sp, zero)]
+            calls += [("dp", op, M) for op, M in zero_collectives(config, tp, t, dp, zero)]
+            for group, op, M in calls:
+                n, r = (tp, t) if group == "tp" else (dp, d)
+                sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
+                by_op[(group, op)] = by_op.get((group, op), 0) + sent
+            out.append(by_op)
+    return out
+
+
+def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
+                itemsize: int = 8) -> dict:
+    """Bytes of parameters, gradients and AdamW state that rank (d, t) holds at the peak of
+    a step, and the transient part of them ('gathered': the whole units in use):
+
+        zero 0   params P             grads P              optimizer 2 P
+        zero 1   params P             grads P              optimizer 2 c_d  (chunk d of P)
+        zero 2   params P             grads Z_d + M_max    optimizer 2 Z_d
+        zero 3   params Z_d + M_max   grads Z_d + M_max    optimizer 2 Z_d
+    P = P_t, Z_d the shard (shard_elements), M_max the largest phase (unit_phases): the
+    units gathered at once, whose gradients the backward holds at the same moment."""
+    P = local_parameters(config, tp, t)
+    if zero in (0, 1):
+        c = chunk_bounds(P, dp)[d]
+        opt = 2 * P if zero == 0 else 2 * (c[1] - c[0])
+        params, grads, gathered = P, P, 0
+    elif zero in (2, 3):
+        Z, M_max = shard_elements(config, tp, t, dp, d), max(unit_phases(config, tp, t))
+        opt, grads, gathered = 2 * Z, Z + M_max, M_max
+        params = P if zero == 2 else Z + M_max
+    else:
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    out = dict(params=params, grads=grads, optimizer=opt, gathered=gathered)
+    return {k: v * itemsize for k, v in out.items()}

@@ -1,0 +1,552 @@
+"""ZeRO stage 2 and stage 3 (FSDP): gradients, and then parameters, sharded over data parallel.
+
+The model is cut into *units*, each a contiguous range of the (tensor-parallel-local) flat
+parameter buffer, in the order the forward uses them:
+
+    embed   wte [V_r, D] (and wpe [S_max, D])            M_0 elements
+    h0 .. h{L-1}   one block each                         M_1 .. M_L
+    head    lnf and head.W / head.b (when there are any)  M_{L+1}
+
+and each unit u is split over the N_D data-parallel ranks by chunk_bounds(M_u, N_D): rank d
+keeps chunk c_{u,d} of it. A rank's shard is the concatenation of its chunks of every unit,
+Z_d = sum_u c_{u,d} elements; it holds the AdamW moments m, v [Z_d] and the gradient [Z_d].
+
+* ZeRO-2 (stage=2): every rank holds the whole parameters [P] (as DP and ZeRO-1 do). The
+  backward produces one unit's gradient at a time in a transient buffer [M_u], which is
+  reduce-scattered over dp the moment the unit's backward ends (as DeepSpeed reduces a bucket)
+  and freed: the whole gradient [P] never exists. The step updates the shard; an all-gather
+  per unit gives every rank the whole parameters again. Per rank-step: one reduce-scatter and
+  one all-gather of every unit, 2 Psi (N_D - 1)/N_D on average over the ranks.
+* ZeRO-3 / FSDP (stage=3): a rank keeps only its shard of the parameters [Z_d]. Before a
+  unit's forward the unit is all-gathered into a transient buffer [M_u]; after it the buffer
+  is freed (the forward's caches keep only placeholders where they held a weight); before the
+  unit's backward it is gathered again, the placeholders are pointed at the new buffer, the
+  gradient [M_u] is computed, reduce-scattered and freed with the parameters. The step
+  updates the shard in place and moves nothing. Per rank-step: two all-gathers and one
+  reduce-scatter of every unit, 3 Psi (N_D - 1)/N_D on average.
+
+A tied head uses wte twice (the embedding and the head): each use gathers the embed unit
+(forward and backward) and reduce-scatters its own gradient contribution, so the embed unit
+moves twice per step. Every other unit is used once.
+
+Memory is counted, not estimated: a `Ledger` records every parameter, gradient and optimizer
+array a rank holds, as it is allocated and freed, and checks at each free, through a weak
+reference, that the array is really gone (no cache or view still holds it). Its timeline is
+what the chapter draws; its peak is what `plan` predicts. Buffers inside the collectives
+(their work copies, the messages) are the transport's, not the model's, and are not counted.
+
+The arithmetic is the same elementwise AdamW on the same summed gradients as one device, so
+the parameters equal one device's in float64. Host NumPy arrays only (the placeholders point
+into a buffer by byte offset); sequence parallelism is not combined with these stages.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+
+from .. import backend, checks, nn
+from .. import functional as F
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
+from ..optim import adamw_update
+from . import layers as L
+from .comm import chunk_bounds
+from .mesh import Mesh
+from .model import TensorParallelDecoder
+
+STAGES = (2, 3)
+KINDS = ("params", "grads", "optimizer")
+
+
+# ---------------------------------------------------------------------------------------
+# Units: which tensors are gathered together
+
+
+def unit_names(config: DecoderConfig) -> list[tuple[str, list[str]]]:
+    """[(unit, [tensor names])] in buffer (and forward) order; a unit with no tensor (the
+    head of a tied, post-norm model without head bias) is left out."""
+    names = list(config.param_shapes())
+    units = [("embed", [n for n in names if n in ("wte", "wpe")])]
+    units += [(f"h{i}", [n for n in names if n.startswith(f"h{i}.")])
+              for i in range(config.n_layers)]
+    units.append(("head", [n for n in names if n.startswith(("lnf.", "head."))]))
+    return [(u, ns) for u, ns in units if ns]
+
+
+def unit_uses(config: DecoderConfig) -> dict[str, int]:
+    """How many times a step uses each unit: 2 for embed with a tied head, else 1."""
+    return {u: (2 if u == "embed" and config.tied_head else 1) for u, _ in unit_names(config)}
+
+
+class Unit:
+    """One unit on one rank: its tensors' shapes and offsets inside the unit buffer [M],
+    where the unit sits in the full local buffer (start, stop), its dp chunks (bounds) and
+    where this rank's chunk sits in the shard [Z_d] (shard_start, shard_stop)."""
+
+    def __init__(self, name, shapes: dict, start: int, dp_size: int, dp_rank: int,
+                 shard_start: int):
+        self.name, self.shapes = name, shapes
+        self.offsets, size = {}, 0
+        for n, s in shapes.items():
+            self.offsets[n] = (size, size + int(np.prod(s)))
+            size += int(np.prod(s))
+        self.size = size                                           # M_u
+        self.start, self.stop = start, start + size
+        self.bounds = chunk_bounds(size, dp_size)                  # [(a, b)] per dp rank
+        a, b = self.bounds[dp_rank]
+        self.shard_start, self.shard_stop = shard_start, shard_start + b - a
+
+
+class UnitParams:
+    """What the model's sub-block code reads, for the units in use: p[name], name in p,
+    p.grad_of(name) (views of the unit buffers [M_u], and of their gradient buffers)."""
+
+    def __init__(self, units, datas, grads=None):
+        self._values, self._grads = {}, {}
+        for i, unit in enumerate(units):
+            for name, (a, b) in unit.offsets.items():
+                self._values[name] = np.reshape(datas[i][a:b], unit.shapes[name])
+                if grads is not None:
+                    self._grads[name] = np.reshape(grads[i][a:b], unit.shapes[name])
+
+    def __getitem__(self, name):
+        return self._values[name]
+
+    def __contains__(self, name):
+        return name in self._values
+
+    def grad_of(self, name):
+        return self._grads[name]
+
+
+# ---------------------------------------------------------------------------------------
+# Counting what a rank holds
+
+
+class Ledger:
+    """Every parameter, gradient and optimizer array a rank holds, as allocated and freed.
+
+    hold(kind, array, label) -> key; release(key) after the holder dropped its references:
+    raises if a weak reference shows the array still alive (a view or a cache kept it).
+    timeline: [(event, {kind: bytes held})] after each event; peak(): the largest total.
+    """
+
+    def __init__(self):
+        self.held: dict[int, tuple] = {}
+        self.timeline: list[tuple[str, dict]] = []
+        self._next = 0
+
+    def now(self) -> dict:
+        out = dict.fromkeys(KINDS, 0)
+        for kind, nbytes, _, _ in self.held.values():
+            out[kind] += nbytes
+        return out
+
+    def hold(self, kind, array, label) -> int:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        key, self._next = self._next, self._next + 1
+        self.held[key] = (kind, int(array.nbytes), label, weakref.ref(array))
+        self.timeline.append((f"+{kind} {label}", self.now()))
+        return key
+
+    def release(self, key):
+        kind, nbytes, label, ref = self.held.pop(key)
+        if ref() is not None:
+            raise RuntimeError(f"{kind} of {label} ({nbytes} bytes) were released but are "
+                               "still referenced (a cache or a view kept them)")
+        self.timeline.append((f"-{kind} {label}", self.now()))
+
+    def mark(self, event):
+        self.timeline.append((event, self.now()))
+
+    def peak(self) -> dict:
+        """{kind: bytes} at the moment the total held was largest, and 'total'."""
+        best = max(self.timeline, key=lambda e: sum(e[1].values()))[1]
+        return dict(best, total=sum(best.values()))
+
+
+# ---------------------------------------------------------------------------------------
+# Placeholders for the weights a forward cache keeps (ZeRO-3 frees them after the forward)
+
+
+class _WeightRef:
+    """Where a cached weight view sat in a unit buffer: (unit, byte offset, shape, strides)."""
+
+    def __init__(self, unit, offset, shape, strides):
+        self.unit, self.offset, self.shape, self.strides = unit, offset, shape, strides
+
+
+def _root(a):
+    while isinstance(getattr(a, "base", None), np.ndarray):
+        a = a.base
+    return a
+
+
+def _strip(obj, buffers):
+    """obj with every array viewing one of `buffers` ({id(buffer): (unit, buffer)})
+    replaced by a _WeightRef (nested tuples, lists and dicts are rebuilt)."""
+    if isinstance(obj, tuple):
+        return tuple(_strip(o, buffers) for o in obj)
+    if isinstance(obj, list):
+        return [_strip(o, buffers) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _strip(v, buffers) for k, v in obj.items()}
+    if isinstance(obj, np.ndarray) and id(_root(obj)) in buffers:
+        unit, buf = buffers[id(_root(obj))]
+        offset = obj.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
+        return _WeightRef(unit, offset, obj.shape, obj.strides)
+    return obj
+
+
+def _restore(obj, buffers):
+    """The inverse of _strip with the newly gathered buffers ({unit: buffer})."""
+    if isinstance(obj, tuple):
+        return tuple(_restore(o, buffers) for o in obj)
+    if isinstance(obj, list):
+        return [_restore(o, buffers) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _restore(v, buffers) for k, v in obj.items()}
+    if isinstance(obj, _WeightRef):
+        buf = buffers[obj.unit]
+        return np.ndarray(obj.shape, buf.dtype, buffer=buf, offset=obj.offset,
+                          strides=obj.strides)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------
+# The model
+
+
+class ShardedDecoder(TensorParallelDecoder):
+    """TensorParallelDecoder whose parameters (stage 3) or gradients (stages 2 and 3) are
+    sharded over `dp` unit by unit. Rank-local, like its parent:
+
+        model = ShardedDecoder(config, mesh.tp, mesh.dp, stage=3).load_full(full_params)
+        logits, loss = model.forward(ids, targets, batch_rows=...); model.backward()
+        ShardedAdamW(model, **hyper).step()
+
+    Holds: shard_grad [Z_d]; stage 3: shard [Z_d]; stage 2: data [P] (the whole local
+    parameters). `ledger` counts them and every transient unit buffer.
+    """
+
+    def __init__(self, config: DecoderConfig, tp, dp, stage: int = 3):
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES} (ZeRO-1 is DataParallelAdamW), "
+                             f"got {stage!r}")
+        if backend.get_backend() != "numpy":
+            raise ValueError("ZeRO-2/3 here run on the NumPy backend (host arrays)")
+        # the parent builds this rank's whole buffers once, for their shapes and decay
+        # mask; they are dropped at once (stage 2 then holds its own copy of the values)
+        super().__init__(config, tp, dp, sequence_parallel=False)
+        shapes = self.params.shapes                       # this tensor-parallel rank's shapes
+        self.dtype = self.params.dtype
+        self.size = self.params.size                      # P (local to the tp rank)
+        self.decay = np.asarray(self.params.decay_mask())  # [P]
+        self.params = None                                # never the whole buffers again
+        self.stage = stage
+        self.units, start, shard = {}, 0, 0
+        for name, names in unit_names(config):
+            unit = Unit(name, {n: shapes[n] for n in names}, start, dp.size, dp.rank, shard)
+            self.units[name] = unit
+            start, shard = unit.stop, unit.shard_stop
+        if start != self.size:
+            raise RuntimeError("internal: the units must tile the parameter buffer")
+        self.uses = unit_uses(config)
+        self.shard_size = shard                           # Z_d
+        self.ledger = Ledger()
+        self.shard_grad = np.zeros(shard, dtype=self.dtype)           # [Z_d]
+        self.ledger.hold("grads", self.shard_grad, "shard")
+        if stage == 3:
+            self.shard = np.zeros(shard, dtype=self.dtype)            # [Z_d]
+            self.ledger.hold("params", self.shard, "shard")
+        else:
+            self.data = np.zeros(self.size, dtype=self.dtype)         # [P]
+            self.ledger.hold("params", self.data, "all")
+        self._gathered: dict = {}                         # unit -> (buffer [M_u], ledger key)
+
+    # -- parameters ----------------------------------------------------------------------
+    def chunk_of(self, unit: Unit, flat):
+        """This rank's chunk of the unit inside a full local buffer flat [P] -> [c_{u,d}]."""
+        a, b = unit.bounds[self.dp.rank]
+        return flat[unit.start + a:unit.start + b]
+
+    def load_full(self, full_params: nn.Parameters) -> "ShardedDecoder":
+        """Keep this rank's part of a single-device model's parameters."""
+        local = nn.Parameters(dict(self._local_shapes()), self.dtype)
+        self.params = local
+        super().load_full(full_params)
+        self.params = None
+        flat = np.asarray(local.data)
+        if self.stage == 2:
+            self.data[...] = flat
+        else:
+            for unit in self.units.values():
+                self.shard[unit.shard_start:unit.shard_stop] = self.chunk_of(unit, flat)
+        return self
+
+    def _local_shapes(self):
+        for unit in self.units.values():
+            yield from unit.shapes.items()
+
+    def _unit_data(self, unit: Unit, why: str):
+        """The whole unit [M_u]: stage 2 a view of data; stage 3 all-gathered (counted)."""
+        if self.stage == 2:
+            return self.data[unit.start:unit.stop]
+        buf = self.dp.all_gather_flat(self.shard[unit.shard_start:unit.shard_stop],
+                                      unit.bounds)
+        if buf.base is not None:      # own the memory, so that the ledger watches the memory
+            buf = buf.copy()
+        key = self.ledger.hold("params", buf, f"{unit.name} ({why})")
+        self._gathered[unit.name] = (weakref.ref(buf), key)
+        return buf
+
+    def _free(self, names):
+        """Drop the gathered parameters of these units (stage 3): checked really gone."""
+        for name in names:
+            if name in self._gathered:
+                _, key = self._gathered.pop(name)
+                self.ledger.release(key)
+
+    def full_flat(self):
+        """The whole local parameter buffer [P] (all-gathers every unit under stage 3)."""
+        if self.stage == 2:
+            return self.data.copy()
+        out = np.empty(self.size, dtype=self.dtype)
+        for unit in self.units.values():
+            out[unit.start:unit.stop] = self.dp.all_gather_flat(
+                self.shard[unit.shard_start:unit.shard_stop], unit.bounds)
+        return out
+
+    def gather_full(self, which: str = "data"):
+        """The single-device flat buffer (collective over dp and tp); data only."""
+        if which != "data":
+            raise ValueError("a sharded model keeps no whole gradient: which must be 'data'")
+        local = nn.Parameters(dict(self._local_shapes()), self.dtype)
+        local.data[...] = self.full_flat()
+        self.params = local
+        try:
+            return super().gather_full("data")
+        finally:
+            self.params = None
+
+    # -- running a piece of the model on gathered units ---------------------------------------
+    def _run_forward(self, names, fn):
+        """Gather the units, run fn() with self.params pointing at them, free them; the
+        returned cache keeps placeholders instead of the weights (stage 3)."""
+        units = [self.units[n] for n in names]
+        datas = [self._unit_data(u, "forward") for u in units]
+        self.params = UnitParams(units, datas)
+        try:
+            out, cache = fn()
+        finally:
+            self.params = None
+        if self.stage == 3:
+            cache = _strip(cache, {id(d): (u.name, d) for u, d in zip(units, datas)})
+        del datas
+        self._free(names)
+        return out, cache
+
+    def _run_backward(self, names, fn, cache):
+        """Gather the units again, fn(cache) with fresh gradient buffers [M_u], free the
+        parameters, reduce-scatter each gradient into shard_grad, free it."""
+        units = [self.units[n] for n in names]
+        datas = [self._unit_data(u, "backward") for u in units]
+        grads = [np.zeros(u.size, dtype=self.dtype) for u in units]       # [M_u] each
+        keys = [self.ledger.hold("grads", g, u.name) for u, g in zip(units, grads)]
+        if self.stage == 3:
+            cache = _restore(cache, {u.name: d for u, d in zip(units, datas)})
+        self.params = UnitParams(units, datas, grads)
+        try:
+            out = fn(cache)
+        finally:
+            self.params = None
+        del cache, datas
+        self._free(names)
+        for unit, key in zip(units, keys):
+            grad = grads.pop(0)
+            chunk = self.dp.reduce_scatter_flat(grad, unit.bounds)         # [c_{u,d}]
+            del grad
+            self.ledger.release(key)
+            self.shard_grad[unit.shard_start:unit.shard_stop] += chunk
+        return out
+
+    # -- the model ---------------------------------------------------------------------------
+    def forward(self, ids, targets=None, training: bool = False, rng=None, batch_rows=None):
+        """As TensorParallelDecoder.forward (same arguments, same results), one unit at a
+        time."""
+        checks.ndim("ids", ids, 2)
+        cfg, tp = self.config, self.tp
+        B, S = ids.shape
+        if S > cfg.max_seq_len:
+            raise ValueError(f"sequence of length {S} exceeds max_seq_len={cfg.max_seq_len}")
+        if training and cfg.dropout > 0 and rng is None:
+            raise ValueError("training with dropout > 0 needs rng (seeded alike on every rank)")
+        rows = batch_rows or (0, B, B)
+        ctx = dict(training=training, rope=None,
+                   draw=lambda kind: self._draws(rng, kind, rows, S))
+        if self._rope is not None:
+            ctx["rope"] = (self._rope[0][:S, :], self._rope[1][:S, :])
+        self.ledger.mark("forward")
+
+        def embed():
+            p = self.params
+            x, c_emb = L.vocab_parallel_embedding_forward(ids, p["wte"], self.vocab[0], tp)
+            c_pos = None
+            if cfg.position == "learned":
+                x, c_pos = F.positional_forward(x, p["wpe"][:S, :])
+            elif cfg.position == "sinusoidal":
+                x, _ = F.positional_forward(x, self._sinusoidal[:S, :])
+            x, c_drop = F.dropout_forward(x, cfg.dropout, ctx["draw"]("stream"), training)
+            return x, (c_emb, c_pos, c_drop)
+
+        x, c_embed = self._run_forward(["embed"], embed)
+        c_blocks = []
+        for i in range(cfg.n_layers):
+            x, c = self._run_forward([f"h{i}"], lambda i=i: self._block_forward(f"h{i}", x,
+                                                                                ctx))
+            c_blocks.append(c)
+
+        def head():
+            p = self.params
+            y, c_lnf = x, None
+            if cfg.norm_placement == "pre":
+                y, c_lnf = nn.norm_forward(p, "lnf", y, cfg.norm, cfg.eps)
+            W = p["wte"].T if cfg.tied_head else p["head.W"]              # [D, V_r]
+            bias = p["head.b"] if "head.b" in p else None
+            logits, c_head = L.column_parallel_linear_forward(y, W, bias, tp)
+            return logits, (c_lnf, c_head)
+
+        logits, c_final = self._run_forward(self._head_units(), head)
+        loss, c_loss = None, None
+        if targets is not None:
+            loss, c_loss = L.vocab_parallel_cross_entropy_forward(
+                logits, targets, self.vocab[0], tp, self.dp, IGNORE_INDEX)
+        self._cache = (c_embed, c_blocks, c_final, c_loss)
+        return logits, loss
+
+    def _head_units(self):
+        names = [n for n in ("head",) if n in self.units]
+        return names + (["embed"] if self.config.tied_head else [])
+
+    def backward(self):
+        """Gradients, unit by unit in reverse, reduce-scattered into shard_grad [Z_d]."""
+        if self._cache is None or self._cache[-1] is None:
+            raise RuntimeError("backward() needs a forward() with targets first")
+        c_embed, c_blocks, c_final, c_loss = self._cache
+        self._cache = None
+        cfg = self.config
+        self.ledger.mark("backward")
+        dlogits = L.vocab_parallel_cross_entropy_backward(1.0, c_loss)   # [B, S, V_r]
+
+        def head(cache):
+            p = self.params
+            c_lnf, c_head = cache
+            dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)
+            nn.accumulate(p, "wte" if cfg.tied_head else "head.W",
+                          dW.T if cfg.tied_head else dW)
+            if db is not None:
+                nn.accumulate(p, "head.b", db)
+            if c_lnf is not None:
+                dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+            return dx
+
+        dx = self._run_backward(self._head_units(), head, c_final)
+        for i in reversed(range(cfg.n_layers)):
+            dx = self._run_backward([f"h{i}"], lambda c, i=i: self._block_backward(
+                f"h{i}", dx, c), c_blocks[i])
+
+        def embed(cache):
+            p = self.params
+            c_emb, c_pos, c_drop = cache
+            d = F.dropout_backward(dx, c_drop)
+            if c_pos is not None:
+                _, dP = F.positional_backward(d, c_pos)                  # [S, D]
+                p.grad_of("wpe")[:dP.shape[0], :] += dP
+            nn.accumulate(p, "wte", L.vocab_parallel_embedding_backward(d, c_emb))
+            return None
+
+        self._run_backward(["embed"], embed, c_embed)
+
+    def zero_grad(self):
+        self.shard_grad[...] = 0.0
+
+
+class ShardedAdamW:
+    """AdamW on a ShardedDecoder's shard: m, v [Z_d]; adamw_update on the shard; stage 2 then
+    all-gathers each unit into the whole parameters, stage 3 keeps the shard."""
+
+    def __init__(self, model: ShardedDecoder, lr: float = 1e-3, beta1: float = 0.9,
+                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+        self.model = model
+        self.hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        units = model.units.values()
+        self.mask = np.concatenate([model.chunk_of(u, model.decay) for u in units])  # [Z_d]
+        self.m = np.zeros(model.shard_size, dtype=model.dtype)                 # [Z_d]
+        self.v = np.zeros(model.shard_size, dtype=model.dtype)
+        model.ledger.hold("optimizer", self.m, "m")
+        model.ledger.hold("optimizer", self.v, "v")
+        self.t = 0
+
+    def state_bytes(self) -> int:
+        return self.m.nbytes + self.v.nbytes
+
+    def step(self):
+        self.t += 1
+        model = self.model
+        if model.stage == 3:
+            adamw_update(model.shard, model.shard_grad, self.m, self.v, self.t,
+                         decay_mask=self.mask, **self.hyper)
+            return
+        units = list(model.units.values())
+        shard = np.concatenate([model.chunk_of(u, model.data) for u in units])   # [Z_d]
+        adamw_update(shard, model.shard_grad, self.m, self.v, self.t, decay_mask=self.mask,
+                     **self.hyper)
+        for u in units:
+            model.data[u.start:u.stop] = model.dp.all_gather_flat(
+                shard[u.shard_start:u.shard_stop], u.bounds)
+
+
+def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,
+                  tp: int = 1, dp: int | None = None, stage: int = 3, seed: int = 0,
+                  hyper=None, gather: bool = True):
+    """runner.train_parallel for ZeRO-2/3: the same batches, rows split over dp, the same
+    AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params, times)."""
+    from .runner import HYPER, _dropout, make_batches
+
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    hyper = dict(HYPER, **(hyper or {}))
+    mesh = Mesh(world, tp, dp)
+    if batch % mesh.dp_size:
+        raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
+    model = ShardedDecoder(config, mesh.tp, mesh.dp, stage)
+    model.load_full(DecoderLM(config).init(seed).params)
+    opt = ShardedAdamW(model, **hyper)
+    ids, targets = make_batches(config, steps, batch, seq, seed)
+    rows = batch // mesh.dp_size
+    b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
+    losses, step_calls, times = [], [], []
+    for t in range(steps):
+        start = time.perf_counter()
+        model.zero_grad()
+        before = len(world.traffic.calls)
+        model.ledger.mark(f"step {t}")
+        _, loss = model.forward(backend.asarray(ids[t, b0:b1]),
+                                backend.asarray(targets[t, b0:b1]),
+                                batch_rows=(b0, b1, batch), **_dropout(config, seed, t))
+        losses.append(float(loss))
+        model.backward()
+        opt.step()
+        model.ledger.mark("optimizer step")
+        step_calls.append(world.traffic.calls[before:])
+        times.append(time.perf_counter() - start)
+    params = np.array(model.gather_full("data")) if gather else None
+    return dict(losses=losses, params=params, step_calls=step_calls, ledger=model.ledger,
+                local_params=model.size, shard_size=model.shard_size,
+                state_bytes=opt.state_bytes(), times=times)
+
+
+__all__ = ["ShardedDecoder", "ShardedAdamW", "Ledger", "train_sharded", "unit_names",
+           "unit_uses"]
