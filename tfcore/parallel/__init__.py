@@ -1,14 +1,18 @@
-"""Tensor, sequence, data and pipeline parallelism over one communicator interface.
+"""Tensor, sequence, data, pipeline and context parallelism and ZeRO over one communicator
+interface.
 
     comm        Communicator: SimulatedGroup / SimulatedComm (threads, counted bytes), MPIComm
     mappings    f, g and the sequence-parallel gathers/scatters as forward/backward pairs
     layers      column/row-parallel linears, vocab-parallel embedding and cross-entropy
     model       TensorParallelDecoder, sharded by parameter name from a DecoderLM
     optimizer   DataParallelAdamW (replicated or ZeRO-1)
+    fsdp        ZeRO-2 and ZeRO-3 (FSDP): units gathered before use and freed, a memory ledger
     mesh        Mesh: the DP x TP groups (DP x PP x TP with pipeline stages)
     pipeline    stages, micro-batches, schedules as data (GPipe, 1F1B, interleaved), bubble
+    context     ring attention over the sequence, ContextParallelDecoder
     volume      closed forms of bytes per collective and per step, parameters per rank
     runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
+    plan        the calculator: memory per rank, bytes per step and bubble of a layout
 """
 from .comm import (  # noqa: F401
     CallRecord,
