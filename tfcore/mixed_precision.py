@@ -213,6 +213,14 @@ def matmul_error_bound(a, b, dtype: str = "bfloat16") -> np.ndarray:
     return matmul_error_constant(a64.shape[-1], dtype) * (a64 @ b64)
 
 
+def composed_bound(reductions, dtype: str = "bfloat16") -> float:
+    """sum_p c_{K_p} over the products p of a step (K_p their reduction lengths): the
+    first-order bound on the gradient's normwise relative error when every product's
+    relative perturbation reaches the gradient unamplified (the chapter states where that
+    assumption comes from and where it can fail). reductions: iterable of K."""
+    return float(sum(matmul_error_constant(int(K), dtype) for K in reductions))
+
+
 # ---------------------------------------------------------------------------------------
 # What goes wrong without each piece (counted)
 
