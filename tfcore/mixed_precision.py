@@ -355,7 +355,8 @@ def mixed_precision_step(model, optimizer, ids, targets, dtype: str = "bfloat16"
         raise ValueError("scaler: loss scaling is for float16; bfloat16 needs none")
     scale = 1.0 if scaler is None else scaler.scale
     model.params.zero_grad()
-    with autocast(dtype):
+    overflow = backend.expected_overflow() if scaler is not None else contextlib.nullcontext()
+    with autocast(dtype), overflow:     # with a scaler, inf/nan is detected and the step skipped
         logits, _ = model.forward(ids)                                   # [B, S, V]
         loss, c_loss = cross_entropy_forward(logits, targets, IGNORE_INDEX)   # float32
         model.backward(cross_entropy_backward(scale, c_loss))            # d(scale * loss)
