@@ -323,3 +323,13 @@ def test_mixed_precision_step_refuses_bad_settings(rng):
     with pytest.raises(ValueError, match="scaler: loss scaling is for float16"):
         mp.mixed_precision_step(model, optim.AdamW(model.params), ids, targets, "bfloat16",
                                 mp.LossScaler())
+
+
+def test_composed_bound_and_the_counting_helpers_refuse_mismatched_shapes():
+    assert mp.composed_bound([16, 256]) == pytest.approx(
+        mp.matmul_error_constant(16) + mp.matmul_error_constant(256), rel=1e-15)
+    assert mp.composed_bound([]) == 0
+    with pytest.raises(ValueError, match="computed must have the shape"):
+        mp.flushed_to_zero(np.ones(3), np.ones(4))
+    with pytest.raises(ValueError, match="update must have the shape"):
+        mp.lost_updates(np.ones(3, np.float32), np.ones(4, np.float32))
