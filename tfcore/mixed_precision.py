@@ -23,7 +23,7 @@ The design, as the hardware does it
   normalizations' statistics). PyTorch runs element-wise ops on a bf16 tensor in bf16, one
   more rounding each; here they read the rounded matmul outputs and compute in float32, and
   the next matmul rounds its inputs again. The bias add follows the rounded product (a GPU
-  epilogue adds it before the one rounding): a difference of one rounding, inside the bound.
+  epilogue adds it before the one rounding): the two differ by one rounding of the sum.
 * **float32 master weights and optimizer state.** The model's parameters (``params.data``)
   and AdamW's m and v stay float32; the low-precision copy of a weight is made from the
   master at each product of each step (what autocast's weight cast does), so an update
