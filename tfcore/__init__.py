@@ -18,6 +18,7 @@ Modules:
     parallel    communicators, tensor/sequence/data parallelism, ZeRO-1, diagrams
                 of the layouts (python -m tfcore.parallel)
     gradcheck   finite differences and relative-error helpers
+    mixed_precision  bfloat16/float16 matmuls with float32 accumulation, loss scaling
     symbolic    SymPy helpers the chapters share
 Only backend, checks, functional and gradcheck are imported with the package; the others
 are imported on demand (`from tfcore.models import DecoderLM`).

@@ -279,11 +279,30 @@ def record_matmul(label: str, a_shape, b_shape):
             count.add(label, int(m), int(k), int(n), int(batch))
 
 
+# The precision every matmul() computes in. None: the arrays' own dtype. Otherwise a function
+# (a, b) -> a @ b that computes the product another way: tfcore.mixed_precision.autocast sets
+# one that rounds the operands to bfloat16 or float16 and accumulates in float32, so every
+# product of the reference ops (forward and backward) takes the low precision from one place.
+_matmul_policy = None
+
+
+def set_matmul_policy(policy):
+    """Make every matmul() compute as `policy(a, b)` (None: plainly); returns the previous one."""
+    global _matmul_policy
+    if policy is not None and not callable(policy):
+        raise TypeError(f"policy must be a function (a, b) -> a @ b or None, got {policy!r}")
+    previous, _matmul_policy = _matmul_policy, policy
+    return previous
+
+
 def matmul(a, b, label: str = "matmul"):
     """a @ b on the arrays' own library (array API matmul), counted by count_matmuls().
 
     a [..., m, k], b [..., k, n] -> [..., m, n]
+    Inside tfcore.mixed_precision.autocast the product is the policy's (see set_matmul_policy).
     """
     if _counts:
         record_matmul(label, tuple(a.shape), tuple(b.shape))
+    if _matmul_policy is not None:
+        return _matmul_policy(a, b)
     return namespace(a, b).matmul(a, b)
