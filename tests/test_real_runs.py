@@ -19,6 +19,7 @@ from tfcore.parallel.grads import (
     clip_grad_norm,
     global_grad_norm,
     make_buckets,
+    overlap_timeline,
     split_micro_batches,
 )
 from tfcore.parallel.runner import CONFIGS, make_batches, train_parallel, train_single
@@ -157,6 +158,29 @@ def test_the_simulation_records_what_overlapped(config):
     assert any(overlaps.values())
     blocking = SimulatedGroup(2).run(_bucketed, config, grads, 8, True)[0]
     assert blocking[2] == {}
+
+
+def test_timeline_from_the_recorded_events(config):
+    """Unit costs: each unit's backward 1, each bucket's all-reduce 1.5. The timeline built
+    from the recorded events equals the one derived from the buckets: bucket i starts when
+    its ready unit ends or when bucket i - 1 ends, whichever is later."""
+    _, grads = _random_grads(config, 2)
+
+    def body(comm):
+        _, buckets, _ = _bucketed(comm, config, grads, 2048, False)
+        return buckets, comm.traffic.events
+
+    buckets, events = SimulatedGroup(2).run(body)[0]
+    units = ["head", "h1", "h0", "embed"]
+    line = overlap_timeline(events, {f"backward {u}": 1.0 for u in units},
+                            {f"bucket {i}": 1.5 for i in range(len(buckets))})
+    free, starts = 0.0, []
+    for bucket in buckets:
+        starts.append(max(units.index(bucket["ready"]) + 1.0, free))
+        free = starts[-1] + 1.5
+    assert [c[1] for c in line["comm"]] == starts
+    assert line["compute_end"] == 4.0 and line["exposed"] == free - 4.0
+    assert 0 < line["exposed"] < 1.5 * len(buckets)      # some, not all, hidden
 
 
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])

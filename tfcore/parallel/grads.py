@@ -192,6 +192,29 @@ class GradientBuckets:
                 self.exposed += self.requests[i].waited
 
 
+def overlap_timeline(events, compute_cost: dict, comm_cost: dict) -> dict:
+    """A timeline from one rank's recorded events (Traffic.events) and a cost model.
+
+    The order is the recorded one: the computations run one after the other; a request
+    launched after computation X starts when X ends, or when the request before it ends
+    (one progress thread: one collective at a time), and lasts comm_cost[label]; wait()
+    calls come after the last computation. compute_cost: {compute label: duration};
+    comm_cost: {request label: duration}. -> dict(compute=[(label, start, end)],
+    comm=[(label, start, end)], compute_end, end, exposed), exposed = end - compute_end:
+    the communication left when the computation is done."""
+    clock, free, compute, comm = 0.0, 0.0, [], []
+    for kind, label in events:
+        if kind == "compute":
+            compute.append((label, clock, clock + compute_cost[label]))
+            clock += compute_cost[label]
+        elif kind == "launch":
+            start = max(clock, free)
+            free = start + comm_cost[label]
+            comm.append((label, start, free))
+    end = max(clock, free)
+    return dict(compute=compute, comm=comm, compute_end=clock, end=end, exposed=end - clock)
+
+
 def _now() -> float:
     import time
 
