@@ -305,3 +305,16 @@ def test_micro_batches_must_divide(config):
 def test_pieces_must_be_grad_pieces():
     with pytest.raises(TypeError, match="GradPiece"):
         global_grad_norm([np.ones(3)])
+
+
+def test_the_model_checks_its_upstream_weight(config):
+    from tfcore.parallel.model import TensorParallelDecoder
+
+    def body(comm):
+        model = TensorParallelDecoder(config, comm)
+        ids, targets = make_batches(config, 1, 2, 4)
+        model.forward(ids[0], targets[0])
+        model.backward("0.5")
+
+    with pytest.raises(TypeError, match="dloss"):
+        SimulatedGroup(1).run(body)

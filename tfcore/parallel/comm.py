@@ -449,6 +449,7 @@ class Communicator:
         label = label or f"all_reduce #{len(self.traffic.events)}"
         if self.algorithm == "native":
             return self._native_iall_reduce(xp, snapshot, op, label)
+        self._check_threads()
         request = Request(self, label)
         if getattr(self, "_progress", None) is None:
             self._progress = _Progress()
@@ -462,6 +463,9 @@ class Communicator:
 
     def _time_limit(self) -> float | None:
         return None
+
+    def _check_threads(self) -> None:
+        """The progress thread talks while the caller's thread may too (MPI overrides)."""
 
     def all_gather_object(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] for small Python objects (not counted)."""
@@ -922,6 +926,13 @@ class MPIComm(Communicator):
 
     def _time_limit(self):
         return self.timeout
+
+    def _check_threads(self):
+        MPI = self._MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("iall_reduce with the ring or naive algorithm runs on a "
+                               "progress thread and needs MPI_THREAD_MULTIPLE (mpi4py's "
+                               "default); this MPI was initialised with less")
 
     def _native_iall_reduce(self, xp, snapshot, op, label):
         """MPI_Iallreduce on a host copy; the record holds the payload only."""

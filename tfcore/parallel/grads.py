@@ -48,6 +48,7 @@ min(1, max_norm / (||g|| + 1e-6)) as torch.nn.utils.clip_grad_norm_ does.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,9 +185,9 @@ class GradientBuckets:
         for i, bucket in enumerate(self.buckets):
             a, b = bucket["range"]
             if self.blocking:
-                start = _now()
+                start = time.perf_counter()
                 grad[a:b] = self.dp.all_reduce(grad[a:b])
-                self.exposed += _now() - start
+                self.exposed += time.perf_counter() - start
             else:
                 grad[a:b] = self.requests[i].wait()
                 self.exposed += self.requests[i].waited
@@ -213,12 +214,6 @@ def overlap_timeline(events, compute_cost: dict, comm_cost: dict) -> dict:
             comm.append((label, start, free))
     end = max(clock, free)
     return dict(compute=compute, comm=comm, compute_end=clock, end=end, exposed=end - clock)
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 # -- clipping ----------------------------------------------------------------------------------

@@ -363,6 +363,7 @@ class TensorParallelDecoder:
         'head' (head and final norm), 'h{L-1}' .. 'h0', then 'embed' (grads.GradientBuckets
         starts its all-reduces there); not with sequence parallelism, whose replicated
         gradients are only final after the closing all-reduce."""
+        dloss = checks.scalar_upstream("dloss", dloss)
         if after_unit is not None and self.sp and self.tp.size > 1:
             raise ValueError("after_unit hooks need sequence_parallel=False: the replicated "
                              "gradients are summed over tp only after the whole backward")
