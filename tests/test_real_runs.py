@@ -318,3 +318,18 @@ def test_the_model_checks_its_upstream_weight(config):
 
     with pytest.raises(TypeError, match="dloss"):
         SimulatedGroup(1).run(body)
+
+
+def test_the_command_line_options(capsys):
+    from tfcore.parallel.__main__ import main_simulated
+
+    assert main_simulated(["--simulate", "--tp", "2", "--dp", "2", "--batch", "8",
+                           "--micro-batches", "2", "--clip", "0.1", "--bucket-bytes", "1024",
+                           "--check", "--quiet-times"]) == 0
+    assert "one device: max relative difference" in capsys.readouterr().out
+    for argv, message in ((["--micro-batches", "3"], "--micro-batches 3 must divide"),
+                          (["--clip", "nan"], "--clip must be a positive finite"),
+                          (["--bucket-bytes", "0"], "--bucket-bytes must be a positive"),
+                          (["--bucket-bytes", "64", "--zero"], "not with --zero")):
+        assert main_simulated(["--simulate", "--dp", "2", "--batch", "8", *argv]) == 2
+        assert message in capsys.readouterr().err

@@ -73,3 +73,15 @@ def test_two_host_names_from_a_host_file(tmp_path):
     saved = _run(tmp_path, "-f", str(hostfile))
     assert saved["hosts"].tolist() == ["localhost", "localhost", other, other]
     _check(saved)
+
+
+def test_the_command_line_under_mpi():
+    """The CLI's options under mpiexec: accumulation, overlapped buckets and clipping on
+    dp = 4, checked against one device by --check (status 1 if they differ)."""
+    done = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "-m", "tfcore.parallel",
+                           "--batch", "8", "--micro-batches", "2", "--bucket-bytes", "2048",
+                           "--clip", "0.1", "--check", "--quiet-times"],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=ENV,
+                          cwd=str(Path(__file__).parents[1]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "one device: max relative difference" in done.stdout
