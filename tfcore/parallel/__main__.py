@@ -67,6 +67,12 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="MPI: seconds a rank waits for a message or for the other ranks' "
                     "next collective before it fails the job (default 600)")
+    ap.add_argument("--micro-batches", type=int, default=1, help="accumulate the gradient "
+                    "over this many micro-batches of each rank's rows (weights c_k / T_c)")
+    ap.add_argument("--clip", type=float, default=None, help="clip the gradient to this "
+                    "global norm (over every shard, replicas counted once)")
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="all-reduce the gradient "
+                    "in buckets of at most this many bytes, overlapped with the backward")
     ap.add_argument("--save", default=None, help="write losses and parameters to this .npz")
     ap.add_argument("--quiet-times", action="store_true", help="do not print step times")
     return ap
@@ -85,6 +91,16 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
         raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
     if not 0 < args.timeout < float("inf"):
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.micro_batches < 1:
+        raise UsageError(f"--micro-batches must be a positive integer, got "
+                         f"{args.micro_batches}")
+    if args.clip is not None and not 0 < args.clip < float("inf"):
+        raise UsageError(f"--clip must be a positive finite norm, got {args.clip}")
+    if args.bucket_bytes is not None and args.bucket_bytes < 1:
+        raise UsageError(f"--bucket-bytes must be a positive number of bytes, got "
+                         f"{args.bucket_bytes}")
+    if args.bucket_bytes is not None and (args.zero or args.sp):
+        raise UsageError("--bucket-bytes needs a replicated gradient: not with --zero or --sp")
     if not args.check_tol >= 0:          # also refuses nan
         raise UsageError(f"--check-tol must be a number >= 0, got {args.check_tol}")
     longest = runner.CONFIGS[args.config]().max_seq_len
@@ -118,6 +134,9 @@ def check_layout(args, world_size: int) -> int:
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel "
                          f"degree dp={dp}")
+    if (args.batch // dp) % args.micro_batches:
+        raise UsageError(f"--micro-batches {args.micro_batches} must divide the rows of each "
+                         f"data-parallel rank ({args.batch // dp})")
     return dp
 
 
@@ -151,7 +170,7 @@ def report(args, out, traffics, world_size, mode) -> int:
                  sent=np.array(sent), times=np.array(out["times"]))
     if args.check:
         ref = runner.train_single(runner.CONFIGS[args.config](), args.steps, args.batch,
-                                  args.seq, args.seed)
+                                  args.seq, args.seed, clip=args.clip)
         d_loss, d_params = compare(out, ref)
         print(f"one device: max relative difference of the losses {d_loss:.1e}, "
               f"of the parameters {d_params:.1e}")
@@ -164,7 +183,9 @@ def report(args, out, traffics, world_size, mode) -> int:
 
 
 def _train_kwargs(args, dp):
-    return dict(tp=args.tp, dp=dp, sequence_parallel=args.sp, zero=args.zero, seed=args.seed)
+    return dict(tp=args.tp, dp=dp, sequence_parallel=args.sp, zero=args.zero, seed=args.seed,
+                micro_batches=args.micro_batches, clip=args.clip,
+                bucket_bytes=args.bucket_bytes)
 
 
 def main_simulated(argv) -> int:

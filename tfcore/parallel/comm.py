@@ -10,6 +10,7 @@ communicator it is handed, and the collectives below are the only places where r
     barrier()
     split(color, key)        sub-groups: the ranks that passed the same color (collective)
     subgroup(ranks)          the sub-group of the given ranks (called by its members only)
+    iall_reduce(x, op)       non-blocking all_reduce: a Request now, request.wait() -> result
 
 Algorithms (`algorithm=`), each run chunk by chunk over point-to-point messages, so the same
 code moves the data in the simulation and under MPI and counts what it moves:
@@ -40,11 +41,27 @@ one small MPI_Allgather, and on any difference every rank raises the same ValueE
 names what each side called. The headers are bookkeeping, not the algorithm's traffic: they
 are not counted. The simulation checks the same way when asked (``check_calls=True``); its
 messages already carry their shapes, and a wait that never ends there times out.
+
+Non-blocking collectives (``iall_reduce``). The call copies its input and returns a
+`Request` at once; the collective runs while the caller computes, and ``wait()`` returns
+its result. With the ring or naive algorithm (simulated or MPI) the same code as the
+blocking collective runs on a progress thread of the communicator, one request after the
+other in the order they were started (as a CUDA stream runs NCCL calls), so its result
+equals the blocking call's bit for bit; under MPI with ``"native"`` it is MPI_Iallreduce.
+While requests are in flight the caller must not start a blocking collective on the same
+communicator (RuntimeError): every rank starts the same requests in the same order, and
+only the progress thread talks on that communicator until they are waited on. Each rank's
+``Traffic.events`` records, in the order its own thread saw them, ``("launch", label)``,
+``("compute", label)`` (what the caller reports with ``record_compute``) and
+``("wait", label)``/``("done", label)``: which computation ran while which collective was
+in flight (``Traffic.overlaps()``); each Request keeps its wall-clock times and how long
+``wait()`` blocked (the exposed communication).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import collections
 import queue
 import sys
 import threading
@@ -110,10 +127,38 @@ class Traffic:
         self.received = 0
         self.links: Counter = Counter()
         self.calls: list[CallRecord] = []
-        self.current: CallRecord | None = None
+        self.events: list[tuple[str, str]] = []   # (kind, label), see record_compute
+        self._local = threading.local()             # the call in progress, per thread
+        self._lock = threading.Lock()               # a progress thread counts too
+        self.current = None
+
+    @property
+    def current(self) -> CallRecord | None:
+        """The collective in progress on the calling thread (a progress thread runs its
+        own while the caller's thread runs others)."""
+        return getattr(self._local, "record", None)
+
+    @current.setter
+    def current(self, record: CallRecord | None):
+        self._local.record = record
 
     def reset(self):
         self.__init__()
+
+    def overlaps(self) -> dict:
+        """{request label: [labels of the computations recorded between its launch and
+        the start of its wait()]}, from this rank's events."""
+        out, open_ = {}, []
+        for kind, label in self.events:
+            if kind == "launch":
+                out[label] = []
+                open_.append(label)
+            elif kind == "compute":
+                for name in open_:
+                    out[name].append(label)
+            elif kind == "wait" and label in open_:
+                open_.remove(label)
+        return out
 
     def summary(self) -> dict:
         """{'sent', 'received', 'by_op': {(group, op): sent bytes}, 'links'}."""
@@ -163,17 +208,21 @@ class Communicator:
     def _count_send(self, dst: int, nbytes: int):
         link = (self.global_rank, self.ranks[dst])
         t = self.traffic
-        t.sent += nbytes
-        t.links[link] += nbytes
-        if t.current is not None:
-            t.current.sent += nbytes
-            t.current.messages += 1
-            t.current.links[link] += nbytes
+        current = t.current
+        with t._lock:
+            t.sent += nbytes
+            t.links[link] += nbytes
+        if current is not None:
+            current.sent += nbytes
+            current.messages += 1
+            current.links[link] += nbytes
 
     def _count_recv(self, nbytes: int):
-        self.traffic.received += nbytes
-        if self.traffic.current is not None:
-            self.traffic.current.received += nbytes
+        current = self.traffic.current
+        with self.traffic._lock:
+            self.traffic.received += nbytes
+        if current is not None:
+            current.received += nbytes
 
     def _begin(self, op: str, elements: int, itemsize: int, measured=True) -> CallRecord:
         record = CallRecord(op, self.algorithm, self.name, self.ranks, int(elements),
@@ -389,6 +438,35 @@ class Communicator:
             self._end()
         return xp.reshape(work, tuple(x.shape))
 
+    # -- non-blocking ------------------------------------------------------------------------
+    def iall_reduce(self, x, op: str = "sum", label: str | None = None) -> "Request":
+        """Start all_reduce(x, op) and return at once: request.wait() gives the result.
+        x is copied now, so the caller may change it while the collective runs."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        xp = namespace(x)
+        snapshot = xp.asarray(x, copy=True)
+        label = label or f"all_reduce #{len(self.traffic.events)}"
+        if self.algorithm == "native":
+            return self._native_iall_reduce(xp, snapshot, op, label)
+        self._check_threads()
+        request = Request(self, label)
+        if getattr(self, "_progress", None) is None:
+            self._progress = _Progress()
+        self._progress.submit(request, lambda: self.all_reduce(snapshot, op))
+        return request
+
+    def record_compute(self, label: str) -> None:
+        """Note in this rank's events that the computation `label` has just finished (the
+        timeline of what overlapped with which collective)."""
+        self.traffic.events.append(("compute", str(label)))
+
+    def _time_limit(self) -> float | None:
+        return None
+
+    def _check_threads(self) -> None:
+        """The progress thread talks while the caller's thread may too (MPI overrides)."""
+
     def all_gather_object(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] for small Python objects (not counted)."""
         self._agree("all_gather_object")
@@ -406,6 +484,11 @@ class Communicator:
         """Before a collective (see Agreement in the module docstring): raise ValueError on
         every rank of the group when the ranks' call headers differ. A no-op unless
         check_calls is set, and for a group of one."""
+        progress = getattr(self, "_progress", None)
+        if progress is not None and progress.busy() and not progress.is_current():
+            raise RuntimeError(
+                f"{self!r}: {call} while non-blocking collectives are in flight on this "
+                "communicator; wait() for them first")
         if not self.check_calls or self.size == 1:
             return
         mine = _call_header(call, tuple(shape), dtype, detail)            # int64 [HEADER_SIZE]
@@ -438,6 +521,97 @@ class Communicator:
                              f"got {ranks}")
         members = tuple(self.ranks[r] for r in ranks)
         return self._make(members, name or f"{self.name}{list(ranks)}", None, None)
+
+
+class Request:
+    """A collective in flight (from iall_reduce). wait() blocks until it is done and returns
+    its result (or raises its error); the seconds it blocked are `waited`, the exposed
+    communication. Wall-clock times (time.perf_counter): launched, finished, wait_start."""
+
+    def __init__(self, comm: Communicator, label: str):
+        self.comm, self.label = comm, label
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+        self._mpi = None                      # (MPI request, output buffer) for 'native'
+        self.launched = time.perf_counter()
+        self.finished: float | None = None
+        self.wait_start: float | None = None
+        self.waited = 0.0
+        comm.traffic.events.append(("launch", label))
+
+    def _finish(self, result=None, error=None):
+        self._result, self._error = result, error
+        self.finished = time.perf_counter()
+        self._done.set()
+
+    def test(self) -> bool:
+        """True when the collective has finished (never blocks)."""
+        if self._mpi is not None and not self._done.is_set() and self._mpi[0].Test():
+            self._finish(self._mpi[1])
+        return self._done.is_set()
+
+    def wait(self):
+        """Block until done; the result (the array all_reduce would have returned)."""
+        if self.wait_start is not None:
+            raise RuntimeError(f"request {self.label!r} was waited on already")
+        self.wait_start = time.perf_counter()
+        self.comm.traffic.events.append(("wait", self.label))
+        limit = self.comm._time_limit()
+        if self._mpi is not None:
+            if not self._done.is_set():
+                self.comm._complete(self._mpi[0], f"the non-blocking {self.label!r}")
+                self._finish(self._mpi[1])
+        else:
+            while not self._done.wait(0.05):
+                if limit is not None and time.perf_counter() - self.wait_start > limit:
+                    raise TimeoutError(f"{self.comm!r} waited {limit:g} s for {self.label!r}")
+        self.waited = time.perf_counter() - self.wait_start
+        self.comm.traffic.events.append(("done", self.label))
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _Progress:
+    """The progress thread of one communicator: runs submitted collectives one after the
+    other, in submission order; it ends when the queue is empty (a new one starts later)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._pending > 0
+
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, request: Request, work):
+        with self._lock:
+            self._queue.append((request, work))
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True)
+                self._thread.start()
+
+    def _run(self):
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                request, work = self._queue.popleft()
+            try:
+                result, error = work(), None
+            except BaseException as err:      # noqa: BLE001 - raised by wait()
+                result, error = None, err
+            with self._lock:
+                self._pending -= 1
+            request._finish(result, error)
 
 
 def _itemsize(x) -> int:
@@ -539,6 +713,9 @@ class SimulatedComm(Communicator):
         self.check_calls = bool(check_calls)
         self._world = world
         self._state = world.group(key or (self.ranks, name), self.ranks)
+
+    def _time_limit(self):
+        return self._world.timeout
 
     def _isend(self, dst, x):
         xp = namespace(x)
@@ -746,6 +923,34 @@ class MPIComm(Communicator):
             self._comm.Bcast(host, root=root)
             out = host
         return out if isinstance(work, np.ndarray) else xp.asarray(out)
+
+    def _time_limit(self):
+        return self.timeout
+
+    def _check_threads(self):
+        MPI = self._MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("iall_reduce with the ring or naive algorithm runs on a "
+                               "progress thread and needs MPI_THREAD_MULTIPLE (mpi4py's "
+                               "default); this MPI was initialised with less")
+
+    def _native_iall_reduce(self, xp, snapshot, op, label):
+        """MPI_Iallreduce on a host copy; the record holds the payload only."""
+        self._agree("all_reduce", snapshot.shape, snapshot.dtype, OPS.index(op))
+        MPI = self._MPI
+        host = np.ascontiguousarray(to_numpy(snapshot))
+        out = np.empty_like(host)
+        self.traffic.calls.append(CallRecord("all_reduce", "native", self.name, self.ranks,
+                                             int(host.size), _itemsize(host), measured=False))
+        request = Request(self, label)
+        if self.size == 1:
+            out[...] = host
+            request._finish(out if isinstance(snapshot, np.ndarray) else xp.asarray(out))
+            return request
+        request._mpi = (self._comm.Iallreduce(host, out, op=MPI.SUM if op == "sum"
+                                              else MPI.MAX), out)
+        request._keep = host                  # MPI reads it until the request completes
+        return request
 
     def barrier(self):
         self._agree("barrier")

@@ -357,10 +357,21 @@ class TensorParallelDecoder:
         self._cache = (c_emb, c_pos, (s0, s1), c_drop, c_blocks, c_lnf, c_head, c_loss)
         return logits, loss
 
-    def backward(self):
+    def backward(self, dloss: float = 1.0, after_unit=None):
         """Add this rank's gradients into params.grad (every tensor's block, or the whole
         replicated tensor); with sequence parallelism the replicated tensors' gradients are
-        summed over the tensor-parallel group at the end (one all-reduce)."""
+        summed over the tensor-parallel group at the end (one all-reduce).
+
+        dloss: the upstream gradient of the loss (a micro-batch's weight c_k / T_c when
+        accumulating). after_unit(label): called when the gradients of a unit are final,
+        'head' (head and final norm), 'h{L-1}' .. 'h0', then 'embed' (grads.GradientBuckets
+        starts its all-reduces there); not with sequence parallelism, whose replicated
+        gradients are only final after the closing all-reduce."""
+        dloss = checks.scalar_upstream("dloss", dloss)
+        if after_unit is not None and self.sp and self.tp.size > 1:
+            raise ValueError("after_unit hooks need sequence_parallel=False: the replicated "
+                             "gradients are summed over tp only after the whole backward")
+        done = after_unit or (lambda label: None)
         if self._cache is None:
             raise RuntimeError("backward() needs a forward() with targets first")
         c_emb, c_pos, (s0, s1), c_drop, c_blocks, c_lnf, c_head, c_loss = self._cache
@@ -368,20 +379,23 @@ class TensorParallelDecoder:
             raise RuntimeError("backward() needs a forward() with targets first")
         self._cache = None
         cfg, p = self.config, self.params
-        dlogits = L.vocab_parallel_cross_entropy_backward(1.0, c_loss)   # [B, S, V_r]
+        dlogits = L.vocab_parallel_cross_entropy_backward(dloss, c_loss)  # [B, S, V_r]
         dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)  # dx [B, S_loc, D]
         nn.accumulate(p, "wte" if cfg.tied_head else "head.W", dW.T if cfg.tied_head else dW)
         if db is not None:
             nn.accumulate(p, "head.b", db)
         if c_lnf is not None:
             dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+        done("head")
         for i in reversed(range(cfg.n_layers)):
             dx = self._block_backward(f"h{i}", dx, c_blocks[i])
+            done(f"h{i}")
         dx = F.dropout_backward(dx, c_drop)
         if c_pos is not None:
             _, dP = F.positional_backward(dx, c_pos)                      # [S_loc, D]
             p.grad_of("wpe")[s0:s1, :] += dP
         nn.accumulate(p, "wte", L.vocab_parallel_embedding_backward(dx, c_emb))
+        done("embed")
         if self.sp and self.tp.size > 1:
             self.sum_replicated_grads()
 

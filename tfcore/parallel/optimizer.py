@@ -13,6 +13,11 @@ a token of a short batch more than a token of a long one.
   the parameters with adamw_update, and an all-gather gives every rank the whole buffer.
   Same arithmetic, elementwise, hence the same parameters; a ring reduce-scatter plus a
   ring all-gather move exactly what one ring all-reduce moves.
+
+clip (optional): a function clip(grad, (start, stop)) called on the reduced gradient this
+rank updates, the whole buffer [P] or its ZeRO-1 chunk [P_d] at (start, stop), before the
+update; it scales grad in place and returns the global norm (grads.clip_grad_norm over the
+pieces it builds), kept as `last_norm`.
 """
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ from .comm import chunk_bounds
 
 class DataParallelAdamW:
     def __init__(self, params, dp, zero: bool = False, lr: float = 1e-3, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                 clip=None):
         self.params, self.dp, self.zero = params, dp, zero
+        self.clip, self.last_norm = clip, None
         self.hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         self.bounds = chunk_bounds(params.size, dp.size)
         xp = backend.namespace(params.data)
@@ -57,12 +64,16 @@ class DataParallelAdamW:
         if not self.zero:
             if not reduced:
                 self.reduce_gradients()
+            if self.clip is not None:
+                self.last_norm = self.clip(p.grad, self.slice)
             adamw_update(p.data, p.grad, self.m, self.v, self.t, decay_mask=self.mask,
                          **self.hyper)
             return
         xp = backend.namespace(p.data)
         a, b = self.slice
         grad = self.dp.reduce_scatter_flat(p.grad, self.bounds)            # [P_d]
+        if self.clip is not None:
+            self.last_norm = self.clip(grad, self.slice)
         shard = xp.asarray(p.data[a:b], copy=True)                          # [P_d]
         adamw_update(shard, grad, self.m, self.v, self.t, decay_mask=self.mask, **self.hyper)
         p.data[...] = self.dp.all_gather_flat(shard, self.bounds)

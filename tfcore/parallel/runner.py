@@ -7,9 +7,20 @@ import time
 
 import numpy as np
 
-from .. import backend
+from .. import backend, checks
+from .. import functional as F
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from ..optim import adamw_update
+from .grads import (
+    GradientBuckets,
+    GradPiece,
+    accumulation_weights,
+    check_micro_batches,
+    clip_grad_norm,
+    parallel_pieces,
+    split_micro_batches,
+    tensor_parallel_mask,
+)
 from .mesh import Mesh
 from .model import TensorParallelDecoder
 from .optimizer import DataParallelAdamW
@@ -46,55 +57,120 @@ def _dropout(config, seed, step):
     return dict(training=True, rng=backend.default_rng(10_000 * seed + step))
 
 
+def _check_real_run(config, batch, micro_batches, clip):
+    """Validate the accumulation and clipping options before any work: -> (K, max_norm)."""
+    k = check_micro_batches(batch, micro_batches)
+    if k > 1 and config.dropout > 0:
+        raise ValueError("micro_batches > 1 needs dropout = 0: the large batch draws its "
+                         "dropout masks at once, the micro-batches could not match them")
+    return k, (None if clip is None else checks.positive("clip", clip))
+
+
 def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: int = 0,
-                 hyper=None):
-    """One device: -> dict(losses, params (host float64 [P]), grads (of the last step))."""
+                 hyper=None, micro_batches: int = 1, clip: float | None = None):
+    """One device: -> dict(losses, params (host float64 [P]), grads (of the last step),
+    norms (the global gradient norm of each step, with clip)). micro_batches K: the batch
+    is run as K micro-batches whose gradients accumulate with weights c_k / T_c; clip: the
+    max_norm of clipping by the global norm (before AdamW)."""
+    K, max_norm = _check_real_run(config, batch, micro_batches, clip)
     hyper = dict(HYPER, **(hyper or {}))
     model = DecoderLM(config).init(seed)
     p = model.params
     m, v = p.data * 0, p.data * 0
     mask = p.decay_mask()
     ids, targets = make_batches(config, steps, batch, seq, seed)
-    losses = []
+    losses, norms = [], []
     for t in range(steps):
         p.zero_grad()
-        _, loss = model.forward(backend.asarray(ids[t]), backend.asarray(targets[t]),
-                                **_dropout(config, seed, t))
-        losses.append(float(loss))
-        model.backward()
+        if K == 1:
+            _, loss = model.forward(backend.asarray(ids[t]), backend.asarray(targets[t]),
+                                    **_dropout(config, seed, t))
+            losses.append(float(loss))
+            model.backward()
+        else:   # the loss's backward with upstream gradient w_k, micro-batch by micro-batch
+            pieces = split_micro_batches(ids[t], targets[t], K)
+            weights, _ = accumulation_weights(pieces)
+            total = 0.0
+            for (ids_k, targets_k), w in zip(pieces, weights):
+                logits, _ = model.forward(backend.asarray(ids_k))           # [B/K, S, V]
+                loss, c_loss = F.cross_entropy_forward(logits, backend.asarray(targets_k),
+                                                       IGNORE_INDEX)
+                total += w * float(loss)
+                model.backward(F.cross_entropy_backward(w, c_loss))
+            losses.append(total)
+        if max_norm is not None:
+            norms.append(clip_grad_norm([GradPiece(p.grad)], max_norm))
         grads = np.array(backend.to_numpy(p.grad), copy=True)
         adamw_update(p.data, p.grad, m, v, t + 1, decay_mask=mask, **hyper)
-    return dict(losses=losses, params=np.array(backend.to_numpy(p.data)), grads=grads)
+    return dict(losses=losses, params=np.array(backend.to_numpy(p.data)), grads=grads,
+                norms=norms)
 
 
 def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: int, tp: int = 1,
                    dp: int | None = None, sequence_parallel: bool = False, zero: bool = False,
-                   seed: int = 0, hyper=None, gather: bool = True):
+                   seed: int = 0, hyper=None, gather: bool = True, micro_batches: int = 1,
+                   clip: float | None = None, bucket_bytes: int | None = None,
+                   overlap: bool = True):
     """Rank-local: run on every rank of `world`. The global batch [B, S] is split by rows over
     the dp ranks. -> dict(losses, params (full, host), grads (full, of the last step, before
-    the optimizer; None with ZeRO), traffic) on every rank."""
+    the optimizer; None with ZeRO), traffic, norms, exposed) on every rank.
+
+    micro_batches K: each rank's rows run as K micro-batches (weights c_k / T_c, counts
+    summed over dp); clip: max_norm of clipping by the global norm over TP, DP and ZeRO-1;
+    bucket_bytes: all-reduce the gradient in buckets of at most that many bytes, started
+    during the last micro-batch's backward (overlap=True) or after it (overlap=False).
+    exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
+    K, max_norm = _check_real_run(config, batch, micro_batches, clip)
+    if bucket_bytes is not None and (zero or (sequence_parallel and tp > 1)):
+        raise ValueError("bucket_bytes needs zero=False and sequence_parallel=False: the "
+                         "buckets all-reduce a replicated gradient as the backward goes")
     hyper = dict(HYPER, **(hyper or {}))
     mesh = Mesh(world, tp, dp)
     if batch % mesh.dp_size:
         raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
+    if (batch // mesh.dp_size) % K:
+        raise ValueError(f"micro_batches ({K}) must divide the rows of each data-parallel "
+                         f"rank ({batch // mesh.dp_size})")
     model = TensorParallelDecoder(config, mesh.tp, mesh.dp, sequence_parallel)
     model.load_full(DecoderLM(config).init(seed).params)
-    opt = DataParallelAdamW(model.params, mesh.dp, zero=zero, **hyper)
+    clip_fn = None
+    if max_norm is not None:
+        tp_mask = tensor_parallel_mask(model)                              # bool [P_local]
+
+        def clip_fn(grad, bounds):
+            pieces = parallel_pieces(grad, tp_mask[bounds[0]:bounds[1]], mesh.tp,
+                                     mesh.dp if zero else None)
+            return clip_grad_norm(pieces, max_norm)
+    opt = DataParallelAdamW(model.params, mesh.dp, zero=zero, clip=clip_fn, **hyper)
     ids, targets = make_batches(config, steps, batch, seq, seed)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
-    losses, grads, step_calls, times = [], None, [], []
+    losses, grads, step_calls, times, norms, exposed = [], None, [], [], [], []
     for t in range(steps):
         start = time.perf_counter()
         model.params.zero_grad()
         before = len(world.traffic.calls)
-        _, loss = model.forward(backend.asarray(ids[t, b0:b1]), backend.asarray(targets[t, b0:b1]),
-                                batch_rows=(b0, b1, batch), **_dropout(config, seed, t))
-        losses.append(float(loss))
-        model.backward()
-        if not zero:
+        pieces = split_micro_batches(ids[t, b0:b1], targets[t, b0:b1], K)
+        weights = [1.0] if K == 1 else accumulation_weights(pieces, mesh.dp)[0]
+        buckets = None if bucket_bytes is None else GradientBuckets(
+            model.params, mesh.dp, config.n_layers, bucket_bytes, blocking=not overlap)
+        loss = 0.0
+        for k, ((ids_k, targets_k), w) in enumerate(zip(pieces, weights)):
+            _, loss_k = model.forward(backend.asarray(ids_k), backend.asarray(targets_k),
+                                      batch_rows=(b0, b1, batch), **_dropout(config, seed, t))
+            loss = float(loss_k) if K == 1 else loss + w * float(loss_k)
+            hook = buckets.unit_done if buckets is not None and k == K - 1 else None
+            model.backward(w, after_unit=hook)
+        losses.append(loss)
+        waited = time.perf_counter()
+        if buckets is not None:
+            buckets.finish()
+            exposed.append(buckets.exposed)
+        elif not zero:
             opt.reduce_gradients()
+            exposed.append(time.perf_counter() - waited)
         opt.step(reduced=not zero)
+        norms.append(opt.last_norm)
         step_calls.append(world.traffic.calls[before:])
         times.append(time.perf_counter() - start)
         if not zero and gather and t == steps - 1:   # the summed gradient (step leaves it)
@@ -105,7 +181,7 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
                 optimizer=(opt.m.size + opt.v.size) * b)
     return dict(losses=losses, params=params, grads=grads, step_calls=step_calls,
                 local_params=model.params.size, state_bytes=opt.state_bytes(), times=times,
-                held=held)
+                held=held, norms=norms, exposed=exposed)
 
 
 def checksum(flat) -> str:
