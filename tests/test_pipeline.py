@@ -120,7 +120,7 @@ def test_bad_layouts_are_refused_before_any_work(kwargs, match):
     kw.update(kwargs)
     changes = dict(dropout=kw["dropout"])
     if kw["heads"] != 4:
-        changes.update(n_heads=kw["heads"], d_model=12, d_ff=24)
+        changes.update(n_heads=kw["heads"], n_kv_heads=kw["heads"], d_model=12, d_ff=24)
     config = _config("tiny", **changes)
     with pytest.raises(ValueError, match=match):
         check_pipeline_layout(config, kw["world"], kw["pp"], kw["tp"], kw["dp"], kw["m"],
