@@ -76,8 +76,12 @@ def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool,
 
 
 def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype,
-                           attention="dense", n_kv_heads=None):
+                           attention="dense", n_kv_heads=None, recompute="none"):
     """Bytes one block's caches keep after a training forward (see the module docstring).
+
+    recompute (chapter 17): "full" keeps only the block's input [N, D]; "selective" keeps
+    everything but attention's probabilities [B, H, S, S] and their keep-mask (so, with
+    attention="tiled", which keeps neither, it would equal "none").
 
     attention="tiled" keeps the output [B, H, S, D_h] and the log-sum-exp [B, H, S] in place
     of the probabilities [B, H, S, S] and their keep-mask (chapter 15).
@@ -90,10 +94,14 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     SwiGLU both inputs and the output (3 N F).
     """
     N, D, F_ = batch * seq, d_model, d_ff
+    if recompute == "full":
+        return N * D * _itemsize(dtype)
     scores = batch * n_heads * seq * seq
     hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
     if attention == "tiled":
         scores_kept, scores_masks = N * D + batch * n_heads * seq, 0
+    elif recompute == "selective":
+        scores_kept, scores_masks = 0, 0
     else:
         scores_kept, scores_masks = scores, scores
     floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores_kept + hidden
@@ -125,7 +133,8 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     per_block = block_activation_bytes(batch, seq, D, c.n_heads, c.d_ff, c.mlp,
                                        c.position == "rotary", dropout, c.dtype,
                                        getattr(c, "attention", "dense"),
-                                       getattr(c, "n_kv_heads", None))
+                                       getattr(c, "n_kv_heads", None),
+                                       getattr(c, "recompute", "none"))
     # the head's input (pre-norm: also lnf's xhat and 1/std); the embedding's dropout mask
     final = (2 * N * D + N if c.norm_placement == "pre" else N * D) * f
     final += N * D * BOOL_BYTES if dropout else 0
