@@ -145,6 +145,34 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
                   logits_bytes=N * V * f, kv_cache_bytes=kv)
 
 
+def recompute_flops(config, batch: int, seq: int) -> int:
+    """The matmul FLOPs that activation recomputation adds to a training step (chapter 17).
+
+    "full" runs every block's forward again: per block 2 T (D (D + 2 H_kv D_h) + D^2 + m D F)
+    for the fused qkv, the output projection and the m = 2 (3 with SwiGLU) MLP matrices, plus
+    attention's two products (QK^T and AV): 4 B S^2 D dense, or 4 B H D_h summed over the
+    tiles the tiled op computes (causal tiles above the diagonal skipped). "selective" runs
+    attention again: the two products alone. The head is never recomputed. T = B S.
+    """
+    from ..functional.tiled_attention import attention_tiles
+
+    c, T, D = config, batch * seq, config.d_model
+    mode = getattr(c, "recompute", "none")
+    if mode == "none":
+        return 0
+    if getattr(c, "attention", "dense") == "tiled":
+        tiles = attention_tiles(seq, seq, c.attention_block_size, causal=True)
+        attention = sum(4 * batch * D * (i1 - i0) * (j1 - j0) for i0, i1, j0, j1, _ in tiles)
+    else:
+        attention = 4 * batch * seq * seq * D                  # H heads of 2 S^2 D_h, twice
+    if mode == "selective":
+        return c.n_layers * attention
+    kv_width = D // c.n_heads * getattr(c, "n_kv_heads", c.n_heads)
+    matrices = 3 if c.mlp == "swiglu" else 2
+    dense = 2 * T * (D * (D + 2 * kv_width) + D * D + matrices * D * c.d_ff)
+    return c.n_layers * (dense + attention)
+
+
 # ---------------------------------------------------------------------------------------
 # Measuring what the caches hold
 
