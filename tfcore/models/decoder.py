@@ -218,6 +218,11 @@ class DecoderLM:
 
     forward(ids, targets=None, training=False, rng=None) -> (logits [B, S, V], loss or None)
     backward(dlogits=None): adds every gradient into params.grad (dloss = 1 by default)
+
+    With config.recompute="full" the forward keeps each block's input [B, S, D] (and a copy of
+    the generator) instead of its caches, and the backward runs the block's forward again;
+    with "selective" each attention rebuilds its probabilities. The gradients are the same,
+    bit for bit (chapter 17).
     """
 
     def __init__(self, config: DecoderConfig):

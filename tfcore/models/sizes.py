@@ -21,6 +21,9 @@ every variant. The activation formula follows what each op pair keeps (its docst
     rope             nothing of x (only the constant tables, not counted)
     cross-entropy    the probabilities [N, V], the safe labels [N] int64, the valid mask [N]
 The user's ids and targets, the parameters and the constant position tables are not counted.
+With recomputation (the decoder's `recompute`, chapter 17) a block keeps only its input
+("full") or all but attention's probabilities and their mask ("selective");
+`recompute_flops` gives the matmul FLOPs the backward then runs again.
 """
 from __future__ import annotations
 
