@@ -249,8 +249,9 @@ def test_the_reference_is_not_blind():
 #   "init":      init_std: documented to change the initial parameters only
 #   "dtype":     the logits' dtype changes; their values agree to float32 precision
 #   "length":    max_seq_len: the longest sequence accepted (and wpe's rows)
-#   "same":      attention, attention_block_size: documented to compute the same function
-#                another way (tiled): the logits equal the base's to round-off
+#   "same":      attention, attention_block_size, recompute: documented to compute the same
+#                function another way (tiled, recomputed): the logits equal the base's to
+#                round-off
 
 FIELD_ROWS = {
     "vocab_size": ({}, 17, "shapes"),
@@ -275,6 +276,7 @@ FIELD_ROWS = {
     "n_kv_heads": ({}, 1, "shapes"),
     "attention": ({}, "tiled", "same"),
     "attention_block_size": ({"attention": "tiled"}, 3, "same"),
+    "recompute": ({}, "full", "same"),
 }
 
 

@@ -21,6 +21,7 @@ Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b`` ``attn.qk
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from .. import functional as F
@@ -62,6 +63,7 @@ class BlockSpec:
     attention: str = "dense"         # "dense" (chapter 6) | "tiled" (chapter 15)
     attention_block_size: int = 64   # the tile's side when attention == "tiled"
     n_kv_heads: int | None = None    # key/value heads (GQA, chapter 16); None: n_heads
+    recompute_attention: bool = False  # drop A [B, H, S, S] and rebuild it (chapter 17)
 
 
 def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
@@ -124,6 +126,28 @@ def _split_gqa(qkv, spec):
 
 
 # ---------------------------------------------------------------------------------------
+# Recomputation (chapter 17): a forward run again in the backward must draw the same dropout
+# masks, so it gets a copy of the generator as it was before the first run drew from it
+
+
+def replayable(rng):
+    """A copy of the generator `rng` in its current state (None stays None): handing the copy
+    to a second run of the same forward replays the same draws, while `rng` itself goes on."""
+    return None if rng is None else copy.deepcopy(rng)
+
+
+def core_attention_forward(q, k, v, spec, rng=None, training=False):
+    """q [B, H, S, D_h], k, v [B, H, S_k, D_h] -> (a [B, H, S, D_h], cache): the dense op
+    (chapter 6) or the tiled one (chapter 15), as spec.attention says."""
+    if spec.attention == "tiled":
+        return tiled_attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
+                                       rng=rng, training=training,
+                                       block_size=spec.attention_block_size)
+    return attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout, rng=rng,
+                             training=training)
+
+
+# ---------------------------------------------------------------------------------------
 # Attention sublayer: qkv = x W_qkv + b; q, k, v = split; (rotary on q, k); a = attention;
 # out = dropout(merge(a) W_proj + b)
 
@@ -153,13 +177,11 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         v_cache[:, :, pos:end, :] = v
         k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H, S_k, D_h]
     k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)       # [B, H, S_k, D_h]
-    if spec.attention == "tiled":
-        a, c_att = tiled_attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
-                                           rng=rng, training=training,
-                                           block_size=spec.attention_block_size)
-    else:
-        a, c_att = attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
-                                     rng=rng, training=training)        # [B, H, S, D_h]
+    replay = replayable(rng) if spec.recompute_attention else None
+    a, c_att = core_attention_forward(q, k, v, spec, rng, training)     # [B, H, S, D_h]
+    if spec.recompute_attention:
+        # keep what builds A again, not A: q, k, v (kept anyway) and the generator as it was
+        c_att = ("recompute", q, k, v, replay, training)
     merged = merge_heads(a)                                             # [B, S, D]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
@@ -172,6 +194,9 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
     dout = F.dropout_backward(dout, c_drop)                             # [B, S, D]
     dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
+    if spec.recompute_attention:        # the same call on the same inputs and draws: same A
+        _, q, k, v, replay, training = c_att
+        _, c_att = core_attention_forward(q, k, v, spec, replay, training)
     backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
     dq, dk, dv = backward(da, c_att)                                    # [B, H, S, D_h] each
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)

@@ -29,8 +29,14 @@ from .. import nn
 from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
+from .blocks import replayable
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
+# what the forward keeps of each block for the backward (chapter 17): "none" recomputes
+# nothing (every cache kept), "full" keeps only the block's input and runs the block's forward
+# again in the backward, "selective" keeps all but attention's [B, H, S, S] tensors and
+# rebuilds those
+RECOMPUTE = ("none", "full", "selective")
 IGNORE_INDEX = -100
 
 
@@ -72,6 +78,7 @@ class DecoderConfig:
     attention: str = "dense"         # "tiled": the online-softmax op of chapter 15
     attention_block_size: int = 64
     n_kv_heads: int | None = None    # key/value heads (grouped-query attention); None: n_heads
+    recompute: str = "none"          # "full" | "selective": activation recomputation
 
     def __post_init__(self):
         if self.d_ff is None and isinstance(self.d_model, int):
@@ -123,6 +130,17 @@ class DecoderConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(
+                f"recompute must be one of {RECOMPUTE} ('none' keeps every cache, 'full' "
+                "keeps each block's input, 'selective' drops attention's [B, H, S, S] "
+                f"tensors), got {self.recompute!r}")
+        if self.recompute == "selective" and self.attention == "tiled":
+            raise ValueError(
+                "recompute='selective' drops attention's [B, H, S, S] probabilities, but "
+                "attention='tiled' keeps none: its backward already rebuilds them tile by "
+                "tile, so the combination would save nothing. Use recompute='none' with "
+                "attention='tiled' (the same memory) or recompute='full'")
         if self.position == "rotary" and self.head_dim % 2:
             raise ValueError(
                 f"rotary positions rotate pairs of columns, so the head dimension d_model / "
@@ -143,7 +161,8 @@ class DecoderConfig:
                          bias=self.bias, dropout=self.dropout, eps=self.eps, causal=True,
                          gelu_approximate=self.gelu_approximate, attention=self.attention,
                          attention_block_size=self.attention_block_size,
-                         n_kv_heads=self.n_kv_heads)
+                         n_kv_heads=self.n_kv_heads,
+                         recompute_attention=self.recompute == "selective")
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: shape} of every parameter, in buffer order (no arrays are allocated)."""
@@ -199,6 +218,11 @@ class DecoderLM:
 
     forward(ids, targets=None, training=False, rng=None) -> (logits [B, S, V], loss or None)
     backward(dlogits=None): adds every gradient into params.grad (dloss = 1 by default)
+
+    With config.recompute="full" the forward keeps each block's input [B, S, D] (and a copy of
+    the generator) instead of its caches, and the backward runs the block's forward again;
+    with "selective" each attention rebuilds its probabilities. The gradients are the same,
+    bit for bit (chapter 17).
     """
 
     def __init__(self, config: DecoderConfig):
@@ -281,8 +305,11 @@ class DecoderLM:
         rope = self._rope_slice(0, seq)
         c_blocks = []
         for i in range(cfg.n_layers):
+            x_in, replay = x, (replayable(rng) if cfg.recompute == "full" else None)
             x, c = block_forward(self.params, f"h{i}", x, self.spec, rope=rope, rng=rng,
                                  training=training)                       # [B, S, D]
+            if cfg.recompute == "full":      # the backward runs the block again from x_in
+                c = ("recompute", x_in, replay, training, rope)
             c_blocks.append(c)
         c_lnf = None
         if cfg.norm_placement == "pre":
@@ -326,6 +353,10 @@ class DecoderLM:
             dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
             c_lnf = None
         for i in reversed(range(cfg.n_layers)):
+            if cfg.recompute == "full":      # the same call, the same input, the same draws
+                _, x_in, replay, training, rope = c_blocks[i]
+                _, c_blocks[i] = block_forward(p, f"h{i}", x_in, self.spec, rope=rope,
+                                               rng=replay, training=training)
             dx = block_backward(p, f"h{i}", dx, c_blocks[i], self.spec)  # [B, S, D]
             c_blocks[i] = None                       # release this layer's caches now
         c_emb, c_pos, c_drop = c_embed

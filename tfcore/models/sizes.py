@@ -21,6 +21,9 @@ every variant. The activation formula follows what each op pair keeps (its docst
     rope             nothing of x (only the constant tables, not counted)
     cross-entropy    the probabilities [N, V], the safe labels [N] int64, the valid mask [N]
 The user's ids and targets, the parameters and the constant position tables are not counted.
+With recomputation (the decoder's `recompute`, chapter 17) a block keeps only its input
+("full") or all but attention's probabilities and their mask ("selective");
+`recompute_flops` gives the matmul FLOPs the backward then runs again.
 """
 from __future__ import annotations
 
@@ -76,8 +79,12 @@ def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool,
 
 
 def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype,
-                           attention="dense", n_kv_heads=None):
+                           attention="dense", n_kv_heads=None, recompute="none"):
     """Bytes one block's caches keep after a training forward (see the module docstring).
+
+    recompute (chapter 17): "full" keeps only the block's input [N, D]; "selective" keeps
+    everything but attention's probabilities [B, H, S, S] and their keep-mask (so, with
+    attention="tiled", which keeps neither, it would equal "none").
 
     attention="tiled" keeps the output [B, H, S, D_h] and the log-sum-exp [B, H, S] in place
     of the probabilities [B, H, S, S] and their keep-mask (chapter 15).
@@ -90,10 +97,14 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     SwiGLU both inputs and the output (3 N F).
     """
     N, D, F_ = batch * seq, d_model, d_ff
+    if recompute == "full":
+        return N * D * _itemsize(dtype)
     scores = batch * n_heads * seq * seq
     hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
     if attention == "tiled":
         scores_kept, scores_masks = N * D + batch * n_heads * seq, 0
+    elif recompute == "selective":
+        scores_kept, scores_masks = 0, 0
     else:
         scores_kept, scores_masks = scores, scores
     floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores_kept + hidden
@@ -125,7 +136,8 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     per_block = block_activation_bytes(batch, seq, D, c.n_heads, c.d_ff, c.mlp,
                                        c.position == "rotary", dropout, c.dtype,
                                        getattr(c, "attention", "dense"),
-                                       getattr(c, "n_kv_heads", None))
+                                       getattr(c, "n_kv_heads", None),
+                                       getattr(c, "recompute", "none"))
     # the head's input (pre-norm: also lnf's xhat and 1/std); the embedding's dropout mask
     final = (2 * N * D + N if c.norm_placement == "pre" else N * D) * f
     final += N * D * BOOL_BYTES if dropout else 0
@@ -134,6 +146,34 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     kv = 2 * c.n_layers * batch * c.max_seq_len * kv_width * f
     return _table(n_params, c.dtype, activations, activation_bytes_per_layer=per_block,
                   logits_bytes=N * V * f, kv_cache_bytes=kv)
+
+
+def recompute_flops(config, batch: int, seq: int) -> int:
+    """The matmul FLOPs that activation recomputation adds to a training step (chapter 17).
+
+    "full" runs every block's forward again: per block 2 T (D (D + 2 H_kv D_h) + D^2 + m D F)
+    for the fused qkv, the output projection and the m = 2 (3 with SwiGLU) MLP matrices, plus
+    attention's two products (QK^T and AV): 4 B S^2 D dense, or 4 B H D_h summed over the
+    tiles the tiled op computes (causal tiles above the diagonal skipped). "selective" runs
+    attention again: the two products alone. The head is never recomputed. T = B S.
+    """
+    from ..functional.tiled_attention import attention_tiles
+
+    c, T, D = config, batch * seq, config.d_model
+    mode = getattr(c, "recompute", "none")
+    if mode == "none":
+        return 0
+    if getattr(c, "attention", "dense") == "tiled":
+        tiles = attention_tiles(seq, seq, c.attention_block_size, causal=True)
+        attention = sum(4 * batch * D * (i1 - i0) * (j1 - j0) for i0, i1, j0, j1, _ in tiles)
+    else:
+        attention = 4 * batch * seq * seq * D                  # H heads of 2 S^2 D_h, twice
+    if mode == "selective":
+        return c.n_layers * attention
+    kv_width = D // c.n_heads * getattr(c, "n_kv_heads", c.n_heads)
+    matrices = 3 if c.mlp == "swiglu" else 2
+    dense = 2 * T * (D * (D + 2 * kv_width) + D * D + matrices * D * c.d_ff)
+    return c.n_layers * (dense + attention)
 
 
 # ---------------------------------------------------------------------------------------
