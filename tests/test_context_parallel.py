@@ -223,6 +223,10 @@ def test_bad_input_is_refused():
     config.dropout = 0.1
     with pytest.raises(ValueError, match="without dropout"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
+    config = CONFIGS["tiny"]()
+    config.recompute = "full"
+    with pytest.raises(ValueError, match="recompute must be 'none', got 'full'"):
+        SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
 
 
 def test_recorded_rotation_and_its_pictures():

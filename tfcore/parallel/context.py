@@ -385,6 +385,9 @@ def check_context_config(config: DecoderConfig) -> None:
     if config.dropout:
         raise ValueError(f"the context-parallel decoder runs without dropout, got "
                          f"dropout={config.dropout}")
+    if config.recompute != "none":
+        raise ValueError(f"the context-parallel decoder keeps its caches: recompute must be "
+                         f"'none', got {config.recompute!r}")
 
 
 class ContextParallelDecoder:

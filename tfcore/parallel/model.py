@@ -65,6 +65,9 @@ def check_layout(config: DecoderConfig, tp: int, seq_len: int | None = None,
         raise ValueError(f"n_kv_heads ({config.n_kv_heads}) must equal n_heads "
                          f"({config.n_heads}) here: the tensor-parallel decoder shards one "
                          f"key/value head per query head, not grouped-query attention")
+    if config.recompute != "none":
+        raise ValueError(f"the tensor-parallel decoder keeps its caches: recompute must be "
+                         f"'none', got {config.recompute!r}")
     if config.n_heads % tp:
         raise ValueError(f"n_heads ({config.n_heads}) must be divisible by the tensor-parallel "
                          f"degree ({tp}): each rank computes whole heads")
