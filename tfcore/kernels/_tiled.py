@@ -18,7 +18,8 @@ a causal step makes about half the matmul FLOPs of the dense attention.
 
 The work is split over the batch (or, with a batch smaller than the thread count, the heads):
 each thread runs the whole blocked loop on its share with a single-threaded BLAS, so there is
-one fork/join per call rather than one per small product. Every product is counted by
+one fork/join per call rather than one per small product, and none for a call too small to
+pay for it (see the thread policy of tfcore.kernels). Every product is counted by
 tfcore.backend.count_matmuls under the label "tiled attention".
 """
 from __future__ import annotations
@@ -160,41 +161,41 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block):
             dkj += _mm(np.swapaxes(dp, -1, -2), qi)
 
 
-def _parts(batch, heads, threads):
-    """Slices of the batch (or of the heads) for each thread: [(axis-0 slice, axis-1 slice)]."""
-    if batch >= threads or heads < 2:
-        n, axis = min(threads, batch), 0
+def _shares(batch, heads, parts):
+    """Slices of the batch (or of the heads) for each share: [(axis-0 slice, axis-1 slice)]."""
+    from . import _bounds
+
+    if batch >= parts or heads < 2:
+        n, axis = min(parts, batch), 0
     else:
-        n, axis = min(threads, heads), 1
-    size = batch if axis == 0 else heads
-    bounds = [(size * t) // n for t in range(n + 1)]
+        n, axis = min(parts, heads), 1
     full = slice(None)
     return [(slice(lo, hi), full) if axis == 0 else (full, slice(lo, hi))
-            for lo, hi in zip(bounds[:-1], bounds[1:])]
+            for lo, hi in _bounds(batch if axis == 0 else heads, n)]
 
 
-def _run(fn, arrays, threads, extra):
-    """fn(*[a[part] for a in arrays], *extra) for each part, the parts on `threads` threads."""
-    from . import _blas_libraries, _thread_pool
+def _run(fn, arrays, threads, extra, flops):
+    """fn(*[a[share] for a in arrays], *extra) for each share of the batch (or heads), the
+    shares on up to `threads` threads, each share at least MIN_GEMM_FLOPS_PER_THREAD of the
+    call's `flops` (a smaller call runs on this thread alone), each on a single-threaded BLAS."""
+    from . import MIN_GEMM_FLOPS_PER_THREAD, _on_threads, _parts, single_threaded_blas
 
     batch, heads = arrays[0].shape[:2]
-    parts = _parts(batch, heads, threads)
-    if len(parts) == 1:
-        fn(*arrays, *extra)
-        return
-    libs = _blas_libraries()
-    saved = [lib.num_threads for lib in libs]
-    for lib in libs:
-        lib.set_num_threads(1)
-    try:
-        pool = _thread_pool(len(parts))
-        futures = [pool.submit(fn, *[a[p] for a in arrays], *extra) for p in parts[1:]]
-        fn(*[a[parts[0]] for a in arrays], *extra)
-        for f in futures:
-            f.result()
-    finally:
-        for lib, n in zip(libs, saved):
-            lib.set_num_threads(n)
+    parts = _parts(flops, MIN_GEMM_FLOPS_PER_THREAD, batch * heads, threads)
+    with single_threaded_blas():
+        if parts == 1:
+            fn(*arrays, *extra)
+            return
+        _on_threads([(fn, tuple(a[p] for a in arrays) + tuple(extra))
+                     for p in _shares(batch, heads, parts)])
+
+
+def _flops(q, k, causal, widths):
+    """Matmul flops of block products whose inner widths add up to `widths`, over the whole
+    score matrix (half of it when causal): what decides whether a call is worth splitting."""
+    b, h, s_q, _ = q.shape
+    full = 2 * b * h * s_q * k.shape[2] * widths
+    return full // 2 if causal else full
 
 
 def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
@@ -206,7 +207,7 @@ def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
     out = np.empty(q.shape[:3] + v.shape[3:], dtype=q.dtype)
     lse = np.empty(q.shape[:3], dtype=q.dtype)
     _run(_forward_part, (q, k, v, out, lse), threads or _threads(),
-         (bool(causal), float(scale), int(block)))
+         (bool(causal), float(scale), int(block)), _flops(q, k, causal, q.shape[3] + v.shape[3]))
     return out, lse
 
 
@@ -229,7 +230,7 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
 
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or _threads(),
-         (bool(causal), float(scale), int(block)))
+         (bool(causal), float(scale), int(block)), _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
     return dq, dk, dv
 
 
