@@ -563,3 +563,19 @@ def test_a_worker_error_reaches_the_caller():
     assert kernels._bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert kernels._parts(10 * 2 ** 17, 2 ** 17, 4, threads=2) == 2
     assert kernels._parts(2 ** 17 - 1, 2 ** 17, 4, threads=2) == 1
+
+
+@needs_numba
+def test_tiled_gradient_of_the_fused_qkv_needs_no_copy(rng):
+    """The tiled backward writes dq, dk, dv into one [B, S, 3, H, D_h] buffer, so the fused
+    projection's gradient is that buffer (no copy), equal to the reference's."""
+    qkv = randn(rng, (2, 70, 3 * 8), "float64")
+    q, k, v = F.qkv_split(qkv, 2)
+    dout = randn(rng, (2, 2, 70, 4), "float64")
+    _, cache = F.tiled_attention_forward(q, k, v, causal=True, block_size=16)
+    grads = F.tiled_attention_backward(dout, cache)
+    dqkv = F.qkv_merge_grads(*grads)
+    assert np.shares_memory(dqkv, grads[0]) and np.shares_memory(dqkv, grads[2])
+    with kernels.disabled():
+        reference = F.qkv_merge_grads(*F.tiled_attention_backward(dout, cache))
+    assert rel(dqkv, reference) <= 1e-12

@@ -213,7 +213,8 @@ def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
 
 def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK, threads=None):
     """dout [B, H, S_q, D_v] and the forward's q, k, v, out, lse -> dq, dk, dv (shapes of
-    q, k, v). Recomputes the probabilities block by block from lse."""
+    q, k, v; views of one [B, S, 3, H, D_h] buffer when the three shapes are equal).
+    Recomputes the probabilities block by block from lse."""
     _check_qkv(q, k, v, causal)
     _check("out", out)
     _check("dout", dout)
@@ -228,7 +229,14 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
             raise TypeError(f"{name} has dtype {x.dtype}, expected q's {q.dtype}")
     from . import _threads
 
-    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    batch, heads, s_q, d_h = q.shape
+    if k.shape == q.shape and v.shape == q.shape:
+        # dq, dk, dv are written into one [B, S, 3, H, D_h] buffer, the layout of the fused
+        # qkv projection's gradient: qkv_merge_grads then returns it without a copy
+        dqkv = np.empty((batch, s_q, 3, heads, d_h), dtype=q.dtype)
+        dq, dk, dv = (np.swapaxes(dqkv[:, :, i], 1, 2) for i in range(3))
+    else:
+        dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or _threads(),
          (bool(causal), float(scale), int(block)), _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
     return dq, dk, dv
