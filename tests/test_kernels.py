@@ -579,3 +579,27 @@ def test_tiled_gradient_of_the_fused_qkv_needs_no_copy(rng):
     with kernels.disabled():
         reference = F.qkv_merge_grads(*F.tiled_attention_backward(dout, cache))
     assert rel(dqkv, reference) <= 1e-12
+
+
+@needs_numba
+@DTYPES
+def test_fused_tanh_gelu_is_the_reference_to_the_last_bit(rng, monkeypatch, dtype):
+    """The two fused loops around NumPy's tanh make the reference's operations in its order
+    and dtype: forward and backward equal the reference and the one-pass-per-operation
+    chunks bit for bit, at ordinary values and at 0, huge, infinite and nan inputs."""
+    x = randn(rng, (3, 40000), dtype, 3.0)                   # crosses chunk boundaries
+    huge = np.finfo(dtype).max
+    x.reshape(-1)[:8] = [0.0, -0.0, 1e19, -huge, huge, np.inf, -np.inf, np.nan]
+    dy = randn(rng, (3, 40000), dtype)
+    results = {}
+    with np.errstate(all="ignore"):
+        for fused in (True, False):
+            monkeypatch.setattr(kernels, "FUSED_GELU", fused)
+            y, cache = F.gelu_forward(x, "tanh")
+            results[fused] = (y, F.gelu_backward(dy, cache))
+        with kernels.disabled():
+            y, cache = F.gelu_forward(x, "tanh")
+            reference = (y, F.gelu_backward(dy, cache))
+    for fast, slow, ref in zip(results[True], results[False], reference):
+        assert np.array_equal(fast, ref, equal_nan=True)
+        assert np.array_equal(slow, ref, equal_nan=True)

@@ -296,3 +296,44 @@ def embedding_backward(ids, dx, dW, chunks):
             row = ids[r]
             for j in range(start, stop):
                 dW[row, j] += dx[r, j]
+
+
+# -- tanh-GELU around NumPy's SIMD tanh: the reference's arithmetic fused into two loops -----
+# The reference (and the chunked kernel) makes one in-place pass per operation; here each run
+# of plain arithmetic between two tanh calls is one loop. The operations, their order and
+# their dtype are the reference's (no float64 here: the constants come in `c`, an array of
+# the storage dtype, and Numba contracts nothing into FMAs), so the result is the same to
+# the last bit. c = [0.044715, sqrt(2/pi), 1, 0.5, 3 * 0.044715, -1, the clip of x].
+
+@njit(**_JIT)
+def gelu_tanh_argument(x, t, c):
+    """x [n] -> t [n] = sqrt(2/pi) x (1 + 0.044715 x^2), in the reference's order."""
+    for i in range(x.shape[0]):
+        xi = x[i]
+        t[i] = (((xi * xi) * c[0] + c[2]) * xi) * c[1]
+
+
+@njit(**_JIT)
+def gelu_tanh_output(x, t, y, c):
+    """t = tanh(...) [n] -> y [n] = (0.5 (1 + t)) x."""
+    for i in range(x.shape[0]):
+        y[i] = ((t[i] + c[2]) * c[3]) * x[i]
+
+
+@njit(**_JIT)
+def gelu_tanh_grad(dy, x, t, dx, c):
+    """t = tanh(...) [n] -> dx [n] = dy (0.5 x (1 - t^2) du/dx + 0.5 (1 + t)), with
+    du/dx = sqrt(2/pi) (1 + 3 * 0.044715 clip(x)^2): the reference's order (dx may be dy)."""
+    clip = c[6]
+    for i in range(x.shape[0]):
+        xi = x[i]
+        w = xi
+        if w > clip:
+            w = clip
+        elif w < -clip:
+            w = -clip
+        du = ((w * w) * c[4] + c[2]) * c[1]
+        ti = t[i]
+        u = ((((ti * ti) * c[5] + c[2]) * xi) * du) * c[3]
+        u = u + (ti + c[2]) * c[3]
+        dx[i] = u * dy[i]
