@@ -108,7 +108,6 @@ def _forward_part(q, k, v, out, lse, causal, scale, block):
         m = np.full(qi.shape[:3] + (1,), -np.inf, dtype=q.dtype)     # running max
         l = np.zeros_like(m)                                         # running sum
         acc = out[:, :, i0:i1]                                       # [b, H, bq, D_v]
-        acc[...] = 0.0
         for j0 in range(0, _key_stop(i1, offset, s_k, causal), block):
             j1 = min(j0 + block, s_k)
             s = _mm(qi, np.swapaxes(k[:, :, j0:j1], -1, -2))          # [b, H, bq, bk]
@@ -121,8 +120,11 @@ def _forward_part(q, k, v, out, lse, causal, scale, block):
             alpha = np.exp(m - m_new)                                # rescales the old sums
             l *= alpha
             l += s.sum(axis=-1, keepdims=True)
-            acc *= alpha
-            acc += _mm(s, v[:, :, j0:j1])
+            if j0 == 0:                      # the first block: written in place, no rescale
+                _mm(s, v[:, :, j0:j1], out=acc)
+            else:
+                acc *= alpha
+                acc += _mm(s, v[:, :, j0:j1])
             m = m_new
         acc /= l
         lse[:, :, i0:i1] = (m + np.log(l))[..., 0]
@@ -134,15 +136,17 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block):
     # delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense backward    [b, H, S_q, 1]
     delta = np.einsum("bhsd,bhsd->bhs", dout, out)[..., None]
     lse4 = lse[..., None]
-    dq[...] = 0.0
+    dq_written = np.zeros(-(-s_q // block), dtype=bool)  # has a query block had a product yet
     for j0 in range(0, s_k, block):
         j1 = min(j0 + block, s_k)
         kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]                      # [b, H, bk, D]
         dkj, dvj = dk[:, :, j0:j1], dv[:, :, j0:j1]
-        dkj[...] = 0.0
-        dvj[...] = 0.0
         # the first query block that sees key j0: query i sees j0 when i >= j0 - offset
         first = max(0, j0 - offset) // block * block if causal else 0
+        if first >= s_q:                  # no query sees these keys (S_q < S_k, causal)
+            dkj[...] = 0.0
+            dvj[...] = 0.0
+            continue
         for i0 in range(first, s_q, block):
             i1 = min(i0 + block, s_q)
             qi, doi = q[:, :, i0:i1], dout[:, :, i0:i1]
@@ -152,13 +156,26 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block):
                 _mask_block(p, i0, j0, offset)
             p -= lse4[:, :, i0:i1]
             np.exp(p, out=p)                                         # probabilities
-            dvj += _mm(np.swapaxes(p, -1, -2), doi)                  # p^T dout
+            # the first product of a block is written in place (no zeroing, no temporary)
+            if i0 == first:
+                _mm(np.swapaxes(p, -1, -2), doi, out=dvj)            # p^T dout
+            else:
+                dvj += _mm(np.swapaxes(p, -1, -2), doi)
             dp = _mm(doi, np.swapaxes(vj, -1, -2))                    # dout v^T [b, H, bq, bk]
             dp -= delta[:, :, i0:i1]
             dp *= p
             dp *= scale                                              # dZ of the block
-            dq[:, :, i0:i1] += _mm(dp, kj)
-            dkj += _mm(np.swapaxes(dp, -1, -2), qi)
+            if dq_written[i0 // block]:
+                dq[:, :, i0:i1] += _mm(dp, kj)
+            else:
+                _mm(dp, kj, out=dq[:, :, i0:i1])
+                dq_written[i0 // block] = True
+            if i0 == first:
+                _mm(np.swapaxes(dp, -1, -2), qi, out=dkj)
+            else:
+                dkj += _mm(np.swapaxes(dp, -1, -2), qi)
+    for blk in np.flatnonzero(~dq_written):   # query blocks that saw no key (none, today)
+        dq[:, :, blk * block:(blk + 1) * block] = 0.0
 
 
 def _shares(batch, heads, parts):
