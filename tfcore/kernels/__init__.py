@@ -22,8 +22,9 @@ when ``applies(...)`` says so:
 
 Every kernel returns what the reference returns, with caches of the same format, so a cache
 made by either path can go to either backward. The Numba kernels compute in float64 whatever
-the storage dtype; GELU runs the reference's own operations in the storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
-machine pays Numba's compile time (see ``warm_up``).
+the storage dtype; GELU runs the reference's own operations in the storage dtype. Compiled
+code is cached on disk (``cache=True``): only the first use on a machine pays Numba's
+compile time (see ``warm_up``).
 """
 from __future__ import annotations
 

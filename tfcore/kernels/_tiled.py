@@ -255,7 +255,8 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
     else:
         dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or _threads(),
-         (bool(causal), float(scale), int(block)), _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
+         (bool(causal), float(scale), int(block)),
+         _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
     return dq, dk, dv
 
 
