@@ -26,7 +26,10 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
 
-_JIT = dict(cache=True, nogil=True)
+# error_model="numpy": a float division by zero gives inf or nan, as in NumPy (and as in the
+# parallel loops these were), instead of a test and a raise per division, which keeps LLVM
+# from vectorizing a loop: AdamW's ran 4.5 times slower with it.
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 
 # -- GELU: x [n] -> y [n]; dy, x [n] -> dx [n] (flat views of contiguous arrays) ----------
