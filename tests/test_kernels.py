@@ -449,3 +449,157 @@ def test_tiled_attention_op_dispatches_to_the_kernel(rng, causal, s_q, s_k):
     with_padding = F.tiled_attention_forward(q, k, v, key_padding=padding, causal=causal)
     assert with_padding[1][5]["key_padding"] is not None            # the reference's cache
     assert rel(with_padding[0], ref_out) <= 1e-12                  # nothing padded here
+
+
+# -- the thread policy: one pool, and a split only where the work pays for it --------------
+
+def _step_grads(cfg, ids, targets, attention):
+    """Loss, every gradient and the parameters after one AdamW step of a seeded decoder."""
+    from tfcore.models import DecoderConfig, DecoderLM
+    from tfcore.optim import AdamW
+
+    model = DecoderLM(DecoderConfig(**cfg, attention=attention)).init(seed=3)
+    opt = AdamW(model.params, lr=1e-2, weight_decay=0.1)
+    _, loss = model.forward(ids, targets)
+    model.backward()
+    grads = to_numpy(model.params.grad).copy()
+    opt.step()
+    return float(loss), grads, to_numpy(model.params.data).copy()
+
+
+@pytest.fixture
+def fork_joins(monkeypatch):
+    """Counts the fork/joins of the kernels (calls of _on_threads with more than one share)."""
+    counted = {"fork_joins": 0}
+    on_threads = kernels._on_threads
+
+    def counting(calls):
+        counted["fork_joins"] += len(calls) > 1
+        return on_threads(calls)
+
+    monkeypatch.setattr(kernels, "_on_threads", counting)
+    return counted
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("attention", ["dense", "tiled"])
+def test_every_kernel_split_over_threads_equals_the_reference(rng, monkeypatch, fork_joins,
+                                                                dtype, attention):
+    """With the thresholds at 1 and 3 threads, every kernel of a decoder step (products, row
+    shares, the causal softmax split over queries, partial sums of the norms' parameter
+    gradients, the embedding's column shares, AdamW) runs in uneven shares on the pool, and
+    the step equals the reference's: float64 to 1e-12; float32 to 2e-5 (one step of AdamW
+    moves each weight by about lr = 1e-2 times a ratio m / sqrt(v) that float32 rounding of
+    g changes by a few 1e-7 relative, and the loss's own float32 rounding is 1e-7)."""
+    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels, "_threads", lambda: 3)
+    cfg = dict(vocab_size=13, max_seq_len=9, d_model=12, n_layers=2, n_heads=3, dtype=dtype)
+    ids = asarray(rng.integers(0, 13, size=(2, 9)), "int64")
+    targets = asarray(rng.integers(0, 13, size=(2, 9)), "int64")
+    fast = _step_grads(cfg, ids, targets, attention)
+    assert fork_joins["fork_joins"] > 20               # the shares really ran on the pool
+    with kernels.disabled():
+        reference = _step_grads(cfg, ids, targets, attention)
+    tol = 1e-12 if dtype == "float64" else 2e-5
+    assert abs(fast[0] - reference[0]) <= tol * abs(reference[0])
+    assert rel(fast[1], reference[1]) <= tol
+    assert rel(fast[2], reference[2]) <= tol
+
+
+@needs_numba
+@pytest.mark.parametrize("s_q", [1, 5])
+def test_causal_softmax_split_over_queries(rng, monkeypatch, s_q):
+    """One matrix (R = 1) shared among 3 threads by query rows: each share's causal limit is
+    shifted by the row it starts at."""
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels, "_threads", lambda: 3)
+    z = randn(rng, (1, 1, s_q, 7), "float64")
+    dA = randn(rng, (1, 1, s_q, 7), "float64")
+    A = kernels.attention_softmax_(z.copy(), 0.5, True)
+    with kernels.disabled():
+        hidden = np.arange(7)[None, :] > np.arange(s_q)[:, None] + 7 - s_q
+        mask = np.where(hidden, -np.inf, 0.0)             # [S_q, S_k], keys past i + S_k - S_q
+        A_ref, _ = F.softmax_forward(0.5 * z, mask)
+    assert rel(A, A_ref) <= 1e-12
+    dz = kernels.attention_softmax_backward_(dA.copy(), A, 0.5, True)
+    assert rel(dz, 0.5 * A_ref * (dA - (dA * A_ref).sum(-1, keepdims=True))) <= 1e-12
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_tiny_benchmark_step_forks_only_for_gelu(monkeypatch, fork_joins, dtype):
+    """At 2 threads, the tiny model's step (the benchmark's smallest config) forks only for
+    GELU's forward and backward ([1024, 256]: 2^17 elements per thread, 0.3-0.6 ms of work
+    each against a fork/join of tens of microseconds); its products, attention and row-wise
+    ops run on the calling thread. The small config also splits its products."""
+    from tfcore import bench
+
+    monkeypatch.setattr(kernels, "_threads", lambda: 2)
+    for name in ("tiny", "small"):
+        fork_joins["fork_joins"] = 0
+        cfg, batch, seq = bench.decoder_config(name, dtype, tiled=True)
+        if name == "small":                     # its shapes, one layer deep
+            cfg = bench.DecoderConfig(**{**cfg.to_dict(), "n_layers": 1})
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(batch, seq + 1))
+        bench.TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])()
+        gelu = 2 * cfg.n_layers
+        if name == "tiny":
+            assert fork_joins["fork_joins"] == gelu, fork_joins
+        else:
+            assert fork_joins["fork_joins"] > gelu + 6 * cfg.n_layers, fork_joins
+
+
+@needs_numba
+def test_a_worker_error_reaches_the_caller():
+    def fail():
+        raise RuntimeError("worker failed")
+
+    done = []
+    with pytest.raises(RuntimeError, match="worker failed"):
+        kernels._on_threads([(done.append, (1,)), (fail, ())])
+    assert done == [1]
+    assert kernels._bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert kernels._parts(10 * 2 ** 17, 2 ** 17, 4, threads=2) == 2
+    assert kernels._parts(2 ** 17 - 1, 2 ** 17, 4, threads=2) == 1
+
+
+@needs_numba
+def test_tiled_gradient_of_the_fused_qkv_needs_no_copy(rng):
+    """The tiled backward writes dq, dk, dv into one [B, S, 3, H, D_h] buffer, so the fused
+    projection's gradient is that buffer (no copy), equal to the reference's."""
+    qkv = randn(rng, (2, 70, 3 * 8), "float64")
+    q, k, v = F.qkv_split(qkv, 2)
+    dout = randn(rng, (2, 2, 70, 4), "float64")
+    _, cache = F.tiled_attention_forward(q, k, v, causal=True, block_size=16)
+    grads = F.tiled_attention_backward(dout, cache)
+    dqkv = F.qkv_merge_grads(*grads)
+    assert np.shares_memory(dqkv, grads[0]) and np.shares_memory(dqkv, grads[2])
+    with kernels.disabled():
+        reference = F.qkv_merge_grads(*F.tiled_attention_backward(dout, cache))
+    assert rel(dqkv, reference) <= 1e-12
+
+
+@needs_numba
+@DTYPES
+def test_fused_tanh_gelu_is_the_reference_to_the_last_bit(rng, monkeypatch, dtype):
+    """The two fused loops around NumPy's tanh make the reference's operations in its order
+    and dtype: forward and backward equal the reference and the one-pass-per-operation
+    chunks bit for bit, at ordinary values and at 0, huge, infinite and nan inputs."""
+    x = randn(rng, (3, 40000), dtype, 3.0)                   # crosses chunk boundaries
+    huge = np.finfo(dtype).max
+    x.reshape(-1)[:8] = [0.0, -0.0, 1e19, -huge, huge, np.inf, -np.inf, np.nan]
+    dy = randn(rng, (3, 40000), dtype)
+    results = {}
+    with np.errstate(all="ignore"):
+        for fused in (True, False):
+            monkeypatch.setattr(kernels, "FUSED_GELU", fused)
+            y, cache = F.gelu_forward(x, "tanh")
+            results[fused] = (y, F.gelu_backward(dy, cache))
+        with kernels.disabled():
+            y, cache = F.gelu_forward(x, "tanh")
+            reference = (y, F.gelu_backward(dy, cache))
+    for fast, slow, ref in zip(results[True], results[False], reference):
+        assert np.array_equal(fast, ref, equal_nan=True)
+        assert np.array_equal(slow, ref, equal_nan=True)

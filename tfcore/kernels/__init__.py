@@ -3,6 +3,12 @@ for the row-wise ones, NumPy's SIMD ufuncs on cache-sized chunks for GELU (Numba
 and erf are scalar calls), BLAS products split over threads, and a tiled causal attention
 (``tiled_attention_forward`` / ``tiled_attention_backward``, see ``_tiled``).
 
+Threads. All of the kernels' parallel work goes through one pool of worker threads (see
+"threads" below): a Numba loop or a BLAS product runs single-threaded on a share of the rows,
+and an op is split only when each thread gets at least MIN_GEMM_FLOPS_PER_THREAD or
+MIN_ELEMENTS_PER_THREAD of work; below that it runs on the calling thread, with no fork/join
+at all. The thread count is Numba's (``numba.set_num_threads``, NUMBA_NUM_THREADS).
+
 The array-API functions of ``tfcore.functional`` are the reference: the book proves them, and
 the tests compare every kernel here with them. A reference op hands its work to a kernel only
 when ``applies(...)`` says so:
@@ -16,8 +22,9 @@ when ``applies(...)`` says so:
 
 Every kernel returns what the reference returns, with caches of the same format, so a cache
 made by either path can go to either backward. The Numba kernels compute in float64 whatever
-the storage dtype; GELU runs the reference's own operations in the storage dtype. Compiled code is cached on disk (``cache=True``): only the first use on a
-machine pays Numba's compile time (see ``warm_up``).
+the storage dtype; GELU runs the reference's own operations in the storage dtype. Compiled
+code is cached on disk (``cache=True``): only the first use on a machine pays Numba's
+compile time (see ``warm_up``).
 """
 from __future__ import annotations
 
@@ -121,20 +128,16 @@ def _rows(x, width):
     return x.reshape(-1, width)
 
 
-def _chunks(n_rows: int) -> int:
-    """How many row chunks a reduction over rows is split into (a few per thread)."""
-    from numba import get_num_threads
-
-    return max(1, min(n_rows, 4 * get_num_threads()))
-
-
 # -- GELU -------------------------------------------------------------------------------
 # Numba from PyPI calls a scalar tanh/exp/erf per element (its LLVM has no vector math
 # library), while NumPy's own np.tanh and np.exp are SIMD loops. So GELU runs the reference's
-# own sequence of in-place ufuncs, but on chunks of CHUNK elements that stay in the cache
+# own sequence of operations, but on chunks of CHUNK elements that stay in the cache
 # (the reference makes a pass over the whole [T, F] activation per operation), with the
-# chunks shared among the threads. The operations and their order are the reference's, so the
-# result is the reference's to the last bit.
+# chunks shared among the threads. For the tanh form the plain arithmetic before and after
+# np.tanh is one Numba loop each (FUSED_GELU; 1.6-2.7 times less CPU than a NumPy pass per
+# operation on the benchmark's shapes); the exact form keeps a pass per ufunc (erf, exp). The
+# operations and their order are the reference's, so the result is the reference's to the
+# last bit.
 
 CHUNK = 16384
 
@@ -152,11 +155,32 @@ def _gelu_tanh_t_chunk(x, t):
     np.tanh(t, out=t)
 
 
+_GELU_CONSTANTS = {}
+FUSED_GELU = True       # False: the chunks make one NumPy pass per operation, as before
+
+
+def _gelu_constants(dtype):
+    """The tanh-GELU's constants in the storage dtype, for the fused loops of _numba."""
+    c = _GELU_CONSTANTS.get(dtype)
+    if c is None:
+        from ..functional import activations as act
+
+        c = np.array([act._GELU_CUBIC, act._SQRT_2_OVER_PI, 1.0, 0.5, 3.0 * act._GELU_CUBIC,
+                      -1.0, act._GELU_CLIP], dtype=dtype)
+        _GELU_CONSTANTS[dtype] = c
+    return c
+
+
 def _gelu_forward_chunk(x, y, approximate, t):
     """x [n] -> y [n] (flat chunks); t [n] scratch."""
     from ..functional import activations as act
 
-    if approximate == "tanh":
+    if approximate == "tanh" and FUSED_GELU:
+        k, c = _k(), _gelu_constants(x.dtype)
+        k.gelu_tanh_argument(x, t, c)        # one loop where the reference makes five passes
+        np.tanh(t, out=t)                    # NumPy's SIMD tanh
+        k.gelu_tanh_output(x, t, y, c)
+    elif approximate == "tanh":
         _gelu_tanh_t_chunk(x, t)
         t += 1.0
         t *= 0.5                             # exact, and (1 + t) x would overflow near max
@@ -175,6 +199,12 @@ def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
     """dy, x [n] -> dx [n] (may be dy); t, u, w [n] scratch."""
     from ..functional import activations as act
 
+    if approximate == "tanh" and FUSED_GELU:
+        k, c = _k(), _gelu_constants(x.dtype)
+        k.gelu_tanh_argument(x, t, c)
+        np.tanh(t, out=t)
+        k.gelu_tanh_grad(dy, x, t, dx, c)    # one loop where the reference makes 15 passes
+        return
     if approximate == "tanh":
         _gelu_tanh_t_chunk(x, t)
         du = np.clip(x, -act._GELU_CLIP, act._GELU_CLIP, out=w)  # 1 - t^2 = 0 past the clip
@@ -217,16 +247,8 @@ def _chunked(fn, n, threads, dtype, n_scratch, arrays, extra):
             c1 = min(c0 + CHUNK, hi)
             fn(*[a[c0:c1] for a in arrays], *extra, *[w[:c1 - c0] for w in scratch])
 
-    parts = max(1, min(threads, n // (4 * CHUNK)))
-    bounds = [(n * t) // parts for t in range(parts + 1)]
-    if parts == 1:
-        share(0, n)
-        return
-    pool = _thread_pool(parts)
-    futures = [pool.submit(share, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-    share(bounds[0], bounds[1])
-    for f in futures:
-        f.result()
+    parts = _parts(n, MIN_ELEMENTS_PER_THREAD, n, threads)
+    _on_threads([(share, bounds) for bounds in _bounds(n, parts)])
 
 
 def gelu_forward(x, approximate):
@@ -250,7 +272,7 @@ def gelu_backward(dy, x, approximate, out=None):
 def softmax_forward(z):
     """z [..., K] -> s [..., K]."""
     s = np.empty_like(z)
-    _k().softmax_rows(_rows(z, z.shape[-1]), _rows(s, z.shape[-1]))
+    _split_rows(_k().softmax_rows, (_rows(z, z.shape[-1]), _rows(s, z.shape[-1])), ())
     return s
 
 
@@ -258,7 +280,8 @@ def softmax_backward(ds, s, scale=1.0, out=None):
     """ds, s [..., K] -> dz = scale * s * (ds - rowsum(ds * s)) (out may be ds itself)."""
     dz = np.empty_like(s) if out is None else out
     k = s.shape[-1]
-    _k().softmax_backward_rows(_rows(ds, k), _rows(s, k), _rows(dz, k), float(scale))
+    _split_rows(_k().softmax_backward_rows, (_rows(ds, k), _rows(s, k), _rows(dz, k)),
+                (float(scale),))
     return dz
 
 
@@ -266,7 +289,8 @@ def attention_softmax_(z, scale, causal):
     """In place: scores z [B, H, S_q, S_k] -> A = softmax(scale * z + causal mask)."""
     s_q, s_k = z.shape[-2:]
     offset = s_k - s_q if causal else s_k
-    _k().causal_softmax_inplace(z.reshape(-1, s_q, s_k), float(scale), offset)
+    _split_matrices(_k().causal_softmax_inplace, (z.reshape(-1, s_q, s_k),), (float(scale),),
+                    offset)
     return z
 
 
@@ -274,8 +298,8 @@ def attention_softmax_backward_(dA, A, scale, causal):
     """In place: dA [B, H, S_q, S_k] -> dZ = scale * A * (dA - rowsum(dA * A))."""
     s_q, s_k = A.shape[-2:]
     offset = s_k - s_q if causal else s_k
-    _k().causal_softmax_backward_inplace(
-        dA.reshape(-1, s_q, s_k), A.reshape(-1, s_q, s_k), float(scale), offset)
+    _split_matrices(_k().causal_softmax_backward_inplace,
+                    (dA.reshape(-1, s_q, s_k), A.reshape(-1, s_q, s_k)), (float(scale),), offset)
     return dA
 
 
@@ -287,8 +311,10 @@ def layernorm_forward(x, gamma, beta, eps):
     d = x.shape[-1]
     y, xhat = np.empty_like(x), np.empty_like(x)
     rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
-    _k().layernorm_forward(_rows(x, d), gamma, beta, float(eps), _rows(y, d), _rows(xhat, d),
-                           rstd.reshape(-1))
+    kernel = _k().layernorm_forward
+    _split(lambda lo, hi: kernel(_rows(x, d)[lo:hi], gamma, beta, float(eps),
+                                 _rows(y, d)[lo:hi], _rows(xhat, d)[lo:hi],
+                                 rstd.reshape(-1)[lo:hi]), x.size // d, d)
     if np.isnan(rstd).any():
         return None
     return y, (xhat, rstd, gamma)
@@ -299,8 +325,9 @@ def rmsnorm_forward(x, gain, eps):
     d = x.shape[-1]
     y, xhat = np.empty_like(x), np.empty_like(x)
     rrms = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
-    _k().rmsnorm_forward(_rows(x, d), gain, float(eps), _rows(y, d), _rows(xhat, d),
-                         rrms.reshape(-1))
+    kernel = _k().rmsnorm_forward
+    _split(lambda lo, hi: kernel(_rows(x, d)[lo:hi], gain, float(eps), _rows(y, d)[lo:hi],
+                                 _rows(xhat, d)[lo:hi], rrms.reshape(-1)[lo:hi]), x.size // d, d)
     if np.isnan(rrms).any():
         return None
     return y, (xhat, rrms, gain)
@@ -310,12 +337,18 @@ def _norm_backward(dy, cache, centered):
     xhat, rstd, gamma = cache
     d = dy.shape[-1]
     n = dy.size // d
-    chunks = _chunks(n)
-    dgamma = np.zeros((chunks, d))
-    dbeta = np.zeros((chunks, d))
+    parts = _parts(n * d, MIN_ELEMENTS_PER_THREAD, n)
+    dgamma = np.zeros((parts, d))                 # one row of partial sums per thread's share
+    dbeta = np.zeros((parts, d))
     dx = np.empty_like(dy)
-    _k().norm_backward(_rows(dy, d), _rows(xhat, d), rstd.reshape(-1), gamma, centered,
-                       _rows(dx, d), dgamma, dbeta)
+    rows = (_rows(dy, d), _rows(xhat, d), rstd.reshape(-1), _rows(dx, d))
+    kernel = _k().norm_backward
+
+    def share(c, lo, hi):
+        dy_, xhat_, rstd_, dx_ = (a[lo:hi] for a in rows)
+        kernel(dy_, xhat_, rstd_, gamma, centered, dx_, dgamma[c:c + 1], dbeta[c:c + 1])
+
+    _on_threads([(share, (c, lo, hi)) for c, (lo, hi) in enumerate(_bounds(n, parts))])
     return dx, dgamma.sum(axis=0).astype(dy.dtype), dbeta.sum(axis=0).astype(dy.dtype)
 
 
@@ -336,7 +369,7 @@ def cross_entropy_forward(z, safe, valid):
     """z [N, V], safe [N] int64, valid [N] bool -> (probs [N, V], sum of the kept nll)."""
     probs = np.empty_like(z)
     nll = np.empty(z.shape[0], dtype=np.float64)
-    _k().cross_entropy_forward(z, safe, valid, probs, nll)
+    _split_rows(_k().cross_entropy_forward, (z, safe, valid, probs, nll), (), z.shape[1])
     return probs, float(nll.sum())
 
 
@@ -344,7 +377,9 @@ def cross_entropy_backward(dloss, cache):
     """The reference's cache -> dlogits [..., V]."""
     probs, safe, valid, n_valid, shape = cache
     dz = np.empty_like(probs)
-    _k().cross_entropy_backward(probs, safe, valid, float(dloss) / max(n_valid, 1), dz)
+    kernel, scale = _k().cross_entropy_backward, float(dloss) / max(n_valid, 1)
+    _split(lambda lo, hi: kernel(probs[lo:hi], safe[lo:hi], valid[lo:hi], scale, dz[lo:hi]),
+           probs.shape[0], probs.shape[1])
     return dz.reshape(shape)
 
 
@@ -356,14 +391,20 @@ _NO_MASK = {np.dtype(np.float32): np.zeros(0, np.float32), np.dtype(np.float64):
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2, decay_mask):
     """In place on p, m, v [P]: the reference adamw_update's arithmetic, one pass."""
     mask = _NO_MASK[p.dtype] if decay_mask is None else decay_mask
-    _k().adamw_update(p, g, m, v, float(lr), float(beta1), float(beta2), float(eps),
-                      float(weight_decay), float(bias1), float(bias2), mask)
+    kernel = _k().adamw_update
+    scalars = tuple(float(a) for a in (lr, beta1, beta2, eps, weight_decay, bias1, bias2))
+    _split(lambda lo, hi: kernel(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], *scalars,
+                                 mask[lo:hi]), p.shape[0], 1)
 
 
 def embedding_backward(dx, flat_ids, w_shape):
     """dx [..., D], ids [N] -> dW [V, D] (zeros, then every row of dx added at its id)."""
     dW = np.zeros(w_shape, dtype=dx.dtype)
-    _k().embedding_backward(flat_ids, _rows(dx, w_shape[1]), dW, _chunks(w_shape[1]))
+    rows, kernel, d = _rows(dx, w_shape[1]), _k().embedding_backward, w_shape[1]
+    # each thread adds every row into its own share of the columns
+    parts = _parts(rows.size, MIN_ELEMENTS_PER_THREAD, d)
+    _on_threads([(kernel, (flat_ids, rows[:, lo:hi], dW[:, lo:hi], 1))
+                 for lo, hi in _bounds(d, parts)])
     return dW
 
 
@@ -396,22 +437,100 @@ def warm_up(dtypes=("float32", "float64")) -> float:
     return time.perf_counter() - start
 
 
-# -- batched matmuls: one fork/join for the whole batch ---------------------------------------
+# -- threads: one pool, and only where the work pays for a fork/join ------------------------
 # A batched product [B, H, m, k] @ [B, H, k, n] is B*H small GEMMs. NumPy hands each of them
 # to a multi-threaded BLAS, which forks and joins its threads B*H times; on a busy machine
 # every join waits for the slowest thread, and the attention's products ran 10-25 times
-# slower with 2 BLAS threads than with 1. Here the batch is split over the threads instead
-# (a thread pool, each thread a single-threaded BLAS over its share of the matrices): one
-# fork/join per product.
+# slower with 2 BLAS threads than with 1. So every product of the kernels runs on a
+# single-threaded BLAS, and the batch (or the rows) is split over the threads of one pool
+# (the same pool runs the Numba loops and the GELU chunks): one fork/join per product, and
+# idle workers that sleep instead of spinning (OpenBLAS's and OpenMP's idle threads spin for
+# milliseconds, and on 2 cores a spinning thread takes the core another one needs).
+#
+# A fork/join costs some 10-40 microseconds (hand the share to a worker, wake it, wait for
+# it). An op is split only when each thread's share is worth several of those: a GEMM share
+# of MIN_GEMM_FLOPS_PER_THREAD flops (about 0.35 ms of one core at 90 GFLOP/s float32), an
+# element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements (0.1-0.6 ms at 1-5 ns
+# per element). Below that the op runs on the calling thread alone: the tiny model's
+# products (up to 2^25 flops) and row-wise ops never fork, so a second thread cannot make
+# its step slower.
+
+MIN_GEMM_FLOPS_PER_THREAD = 2 ** 25
+MIN_ELEMENTS_PER_THREAD = 2 ** 17
 
 _pool = None
 _blas = None
 
 
-def _threads() -> int:
-    from numba import get_num_threads
+_get_num_threads = None
 
-    return get_num_threads()
+
+def _threads() -> int:
+    """Numba's thread count (numba.set_num_threads), the kernels' too."""
+    global _get_num_threads
+    if _get_num_threads is None:
+        from numba import get_num_threads
+
+        _get_num_threads = get_num_threads
+    return _get_num_threads()
+
+
+def _parts(work: int, per_thread: int, limit: int, threads: int | None = None) -> int:
+    """How many shares to split `work` into: one per thread, each at least `per_thread`,
+    at most `limit` (the rows there are to split)."""
+    threads = _threads() if threads is None else threads
+    return max(1, min(threads, limit, work // per_thread))
+
+
+def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """[(lo, hi)] of `parts` nearly equal consecutive shares of range(n)."""
+    edges = [(n * t) // parts for t in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _on_threads(calls) -> None:
+    """fn(*args) for each (fn, args) in calls: the first on this thread, the others on the
+    pool's workers; returns when all are done (re-raising a worker's error)."""
+    if len(calls) == 1:
+        fn, args = calls[0]
+        fn(*args)
+        return
+    pool = _thread_pool(len(calls))
+    futures = [pool.submit(fn, *args) for fn, args in calls[1:]]
+    fn, args = calls[0]
+    try:
+        fn(*args)
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _split(share, n_rows: int, row_width: int) -> None:
+    """share(lo, hi) over the rows lo..hi of an op on n_rows rows of row_width elements."""
+    parts = _parts(n_rows * row_width, MIN_ELEMENTS_PER_THREAD, n_rows)
+    _on_threads([(share, bounds) for bounds in _bounds(n_rows, parts)])
+
+
+def _split_rows(kernel, row_arrays, scalars, row_width=None) -> None:
+    """kernel(*[a[lo:hi] for a in row_arrays], *scalars) over shares of the rows (axis 0)."""
+    first = row_arrays[0]
+    width = first.shape[-1] if row_width is None else row_width
+    _split(lambda lo, hi: kernel(*[a[lo:hi] for a in row_arrays], *scalars),
+           first.shape[0], width)
+
+
+def _split_matrices(kernel, arrays, scalars, offset) -> None:
+    """A causal softmax kernel(*arrays [R, S_q, S_k], *scalars, offset) over shares of the R
+    matrices, or of the query rows when R is smaller than the thread count (the share that
+    starts at query row lo sees its keys through offset + lo)."""
+    n_mat, s_q, s_k = arrays[0].shape
+    parts = _parts(n_mat * s_q * s_k, MIN_ELEMENTS_PER_THREAD, n_mat * s_q)
+    if parts <= n_mat:
+        _on_threads([(kernel, tuple(a[lo:hi] for a in arrays) + tuple(scalars) + (offset,))
+                     for lo, hi in _bounds(n_mat, parts)])
+    else:
+        _on_threads([(kernel, tuple(a[:, lo:hi] for a in arrays) + tuple(scalars)
+                      + (offset + lo,)) for lo, hi in _bounds(s_q, parts)])
 
 
 def _blas_libraries():
@@ -424,6 +543,20 @@ def _blas_libraries():
         except Exception:  # threadpoolctl missing or unable to see the BLAS
             _blas = []
     return _blas
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """Inside the block every BLAS library the process loaded runs on one thread (the
+    setting is read first and changed, then restored, only where it is not 1 already)."""
+    changed = [(lib, lib.num_threads) for lib in _blas_libraries() if lib.num_threads != 1]
+    for lib, _ in changed:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, n in changed:
+            lib.set_num_threads(n)
 
 
 def _thread_pool(threads: int):
@@ -456,32 +589,25 @@ def matmul(a, b, out=None, label="linear"):
 
 
 def _split_matmul(a, b, out, axis, threads):
-    """np.matmul(a, b, out=out) with axis `axis` of a and out split into `threads` parts, each
-    computed by one thread with a single-threaded BLAS (b is shared when it is 2-D)."""
-    libs = _blas_libraries()
-    batched = a.ndim > 2
-    if not libs or (not batched and (threads < 2 or a.shape[0] < 2 * threads)):
-        return np.matmul(a, b, out=out)
-    threads = max(1, min(threads, a.shape[axis]))
-    pool = _thread_pool(threads)
-    size = a.shape[axis]
-    bounds = [(size * t) // threads for t in range(threads + 1)]
-    parts = [(slice(lo, hi),) if axis == 0 else (slice(None), slice(lo, hi))
-             for lo, hi in zip(bounds[:-1], bounds[1:])]
-    shared_b = b.ndim == 2
-    pieces = [(a[p], b if shared_b else b[p], out[p]) for p in parts]
-    saved = [lib.num_threads for lib in libs]
-    for lib in libs:
-        lib.set_num_threads(1)
-    try:
-        futures = [pool.submit(np.matmul, x, y, out=o) for x, y, o in pieces[1:]]
-        np.matmul(*pieces[0][:2], out=pieces[0][2])
-        for f in futures:
-            f.result()
-    finally:
-        for lib, n in zip(libs, saved):
-            lib.set_num_threads(n)
+    """np.matmul(a, b, out=out) on a single-threaded BLAS, with axis `axis` of a and out split
+    into shares of at least MIN_GEMM_FLOPS_PER_THREAD flops, one per thread (b is shared when
+    it is 2-D)."""
+    flops = 2 * a.size * b.shape[-1]
+    parts = _parts(flops, MIN_GEMM_FLOPS_PER_THREAD, a.shape[axis], threads)
+    with single_threaded_blas():
+        if parts == 1:
+            return np.matmul(a, b, out=out)
+        shared_b = b.ndim == 2
+        calls = []
+        for lo, hi in _bounds(a.shape[axis], parts):
+            p = (slice(lo, hi),) if axis == 0 else (slice(None), slice(lo, hi))
+            calls.append((_matmul_into, (a[p], b if shared_b else b[p], out[p])))
+        _on_threads(calls)
     return out
+
+
+def _matmul_into(a, b, out):
+    np.matmul(a, b, out=out)
 
 
 def linear_forward(x, W, b):

@@ -1,4 +1,10 @@
-"""The fused CPU kernels, compiled by Numba (parallel over rows or elements, cached on disk).
+"""The fused CPU kernels, compiled by Numba (single-threaded, cached on disk).
+
+Each kernel works on whatever rows it is given and releases the GIL (nogil), so the caller
+(tfcore.kernels) splits the rows over its one pool of threads, and only when the work pays for
+the fork/join. A Numba parallel loop would start a second pool (OpenMP's), whose idle workers
+spin for milliseconds after every loop: on a 2-core machine they took the core that the BLAS
+halves or the next kernel needed.
 
 Each function fills output arrays that the caller allocates (so NumPy's allocations stay
 visible to tracemalloc and no memory is owned by Numba). The arithmetic is done in float64
@@ -13,28 +19,31 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
 
-_JIT = dict(parallel=True, cache=True, nogil=True)
+# error_model="numpy": a float division by zero gives inf or nan, as in NumPy (and as in the
+# parallel loops these were), instead of a test and a raise per division, which keeps LLVM
+# from vectorizing a loop: AdamW's ran 4.5 times slower with it.
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 
 # -- GELU: x [n] -> y [n]; dy, x [n] -> dx [n] (flat views of contiguous arrays) ----------
 
 @njit(**_JIT)
 def gelu_exact_forward(x, y):
-    for i in prange(x.shape[0]):
+    for i in range(x.shape[0]):
         xi = np.float64(x[i])
         y[i] = 0.5 * xi * (1.0 + math.erf(xi * _INV_SQRT_2))
 
 
 @njit(**_JIT)
 def gelu_tanh_forward(x, y):
-    for i in prange(x.shape[0]):
+    for i in range(x.shape[0]):
         xi = np.float64(x[i])
         t = math.tanh(_SQRT_2_OVER_PI * xi * (1.0 + _GELU_CUBIC * xi * xi))
         y[i] = 0.5 * xi * (1.0 + t)
@@ -42,7 +51,7 @@ def gelu_tanh_forward(x, y):
 
 @njit(**_JIT)
 def gelu_exact_backward(dy, x, dx):
-    for i in prange(x.shape[0]):
+    for i in range(x.shape[0]):
         xi = np.float64(x[i])
         cdf = 0.5 * (1.0 + math.erf(xi * _INV_SQRT_2))
         pdf = _INV_SQRT_2PI * math.exp(-0.5 * xi * xi)
@@ -51,7 +60,7 @@ def gelu_exact_backward(dy, x, dx):
 
 @njit(**_JIT)
 def gelu_tanh_backward(dy, x, dx):
-    for i in prange(x.shape[0]):
+    for i in range(x.shape[0]):
         xi = np.float64(x[i])
         x2 = xi * xi
         t = math.tanh(_SQRT_2_OVER_PI * xi * (1.0 + _GELU_CUBIC * x2))
@@ -65,7 +74,7 @@ def gelu_tanh_backward(dy, x, dx):
 def softmax_rows(z, s):
     """z [N, K] -> s [N, K] = softmax of each row (shifted by the row maximum)."""
     n, k = z.shape
-    for r in prange(n):
+    for r in range(n):
         m = -np.inf
         for j in range(k):
             m = max(m, np.float64(z[r, j]))
@@ -83,7 +92,7 @@ def softmax_rows(z, s):
 def softmax_backward_rows(ds, s, dz, scale):
     """dz = scale * s * (ds - sum(ds * s)) row by row; dz may be ds itself (in place)."""
     n, k = s.shape
-    for r in prange(n):
+    for r in range(n):
         dot = 0.0
         for j in range(k):
             dot += np.float64(ds[r, j]) * np.float64(s[r, j])
@@ -99,7 +108,7 @@ def causal_softmax_inplace(z, scale, offset):
     without an exp. Without a causal mask pass offset >= S_k.
     """
     n_mat, s_q, s_k = z.shape
-    for index in prange(n_mat * s_q):
+    for index in range(n_mat * s_q):
         r = index // s_q
         i = index - r * s_q
         limit = min(i + offset + 1, s_k)
@@ -122,7 +131,7 @@ def causal_softmax_inplace(z, scale, offset):
 def causal_softmax_backward_inplace(dA, A, scale, offset):
     """dA [R, S_q, S_k] -> in place dZ = scale * A * (dA - rowsum(dA * A)); 0 where masked."""
     n_mat, s_q, s_k = A.shape
-    for index in prange(n_mat * s_q):
+    for index in range(n_mat * s_q):
         r = index // s_q
         i = index - r * s_q
         limit = min(i + offset + 1, s_k)
@@ -141,7 +150,7 @@ def causal_softmax_backward_inplace(dA, A, scale, offset):
 def layernorm_forward(x, gamma, beta, eps, y, xhat, rstd):
     """y = gamma * xhat + beta, xhat = (x - mean) * rstd, rstd = 1 / sqrt(var + eps)."""
     n, d = x.shape
-    for r in prange(n):
+    for r in range(n):
         mean = 0.0
         for j in range(d):
             mean += np.float64(x[r, j])
@@ -163,7 +172,7 @@ def layernorm_forward(x, gamma, beta, eps, y, xhat, rstd):
 def rmsnorm_forward(x, gain, eps, y, xhat, rrms):
     """y = gain * xhat, xhat = x * rrms, rrms = 1 / sqrt(mean(x^2) + eps)."""
     n, d = x.shape
-    for r in prange(n):
+    for r in range(n):
         ms = 0.0
         for j in range(d):
             v = np.float64(x[r, j])
@@ -181,12 +190,12 @@ def norm_backward(dy, xhat, rstd, gamma, centered, dx, partial_dgamma, partial_d
     """LayerNorm (centered=True) or RMSNorm backward over rows, in chunks of rows.
 
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma (RMSNorm: no mean(g)).
-    partial_dgamma, partial_dbeta [C, D] float64: one row of sums per chunk of rows (C chunks
-    run in parallel; the caller adds the C rows).
+    partial_dgamma, partial_dbeta [C, D] float64: one row of sums per chunk of rows (the
+    caller adds the C rows).
     """
     n, d = dy.shape
     chunks = partial_dgamma.shape[0]
-    for c in prange(chunks):
+    for c in range(chunks):
         start = (n * c) // chunks
         stop = (n * (c + 1)) // chunks
         for r in range(start, stop):
@@ -216,7 +225,7 @@ def norm_backward(dy, xhat, rstd, gamma, centered, dx, partial_dgamma, partial_d
 def cross_entropy_forward(z, safe, valid, probs, nll):
     """probs = softmax rows of z; nll[n] = logsumexp(z[n]) - z[n, y_n] (0 on ignored rows)."""
     n, v = z.shape
-    for r in prange(n):
+    for r in range(n):
         m = -np.inf
         for j in range(v):
             m = max(m, np.float64(z[r, j]))
@@ -243,7 +252,7 @@ def cross_entropy_backward(probs, safe, valid, scale, dz):
     would come out as about 1e-9 times scale.
     """
     n, v = probs.shape
-    for r in prange(n):
+    for r in range(n):
         if valid[r]:
             for j in range(v):
                 dz[r, j] = scale * np.float64(probs[r, j])
@@ -260,7 +269,7 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2, 
     """The reference's arithmetic element by element; mask [P] (or [0] meaning all ones)."""
     step_size = lr / bias1
     use_mask = mask.shape[0] == p.shape[0]
-    for i in prange(p.shape[0]):
+    for i in range(p.shape[0]):
         pi = np.float64(p[i])
         if weight_decay != 0.0:
             if use_mask:
@@ -279,13 +288,55 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2, 
 
 @njit(**_JIT)
 def embedding_backward(ids, dx, dW, chunks):
-    """dW [V, D] += rows of dx [N, D] at ids [N]; columns split into chunks run in parallel
-    (every chunk visits the rows in order, so repeated ids add in the reference's order)."""
+    """dW [V, D] += rows of dx [N, D] at ids [N], one chunk of columns after another (every
+    chunk visits the rows in order, so repeated ids add in the reference's order; the caller
+    may give each thread a share of the columns)."""
     n, d = dx.shape
-    for c in prange(chunks):
+    for c in range(chunks):
         start = (d * c) // chunks
         stop = (d * (c + 1)) // chunks
         for r in range(n):
             row = ids[r]
             for j in range(start, stop):
                 dW[row, j] += dx[r, j]
+
+
+# -- tanh-GELU around NumPy's SIMD tanh: the reference's arithmetic fused into two loops -----
+# The reference (and the chunked kernel) makes one in-place pass per operation; here each run
+# of plain arithmetic between two tanh calls is one loop. The operations, their order and
+# their dtype are the reference's (no float64 here: the constants come in `c`, an array of
+# the storage dtype, and Numba contracts nothing into FMAs), so the result is the same to
+# the last bit. c = [0.044715, sqrt(2/pi), 1, 0.5, 3 * 0.044715, -1, the clip of x].
+
+@njit(**_JIT)
+def gelu_tanh_argument(x, t, c):
+    """x [n] -> t [n] = sqrt(2/pi) x (1 + 0.044715 x^2), in the reference's order."""
+    for i in range(x.shape[0]):
+        xi = x[i]
+        t[i] = (((xi * xi) * c[0] + c[2]) * xi) * c[1]
+
+
+@njit(**_JIT)
+def gelu_tanh_output(x, t, y, c):
+    """t = tanh(...) [n] -> y [n] = (0.5 (1 + t)) x."""
+    for i in range(x.shape[0]):
+        y[i] = ((t[i] + c[2]) * c[3]) * x[i]
+
+
+@njit(**_JIT)
+def gelu_tanh_grad(dy, x, t, dx, c):
+    """t = tanh(...) [n] -> dx [n] = dy (0.5 x (1 - t^2) du/dx + 0.5 (1 + t)), with
+    du/dx = sqrt(2/pi) (1 + 3 * 0.044715 clip(x)^2): the reference's order (dx may be dy)."""
+    clip = c[6]
+    for i in range(x.shape[0]):
+        xi = x[i]
+        w = xi
+        if w > clip:
+            w = clip
+        elif w < -clip:
+            w = -clip
+        du = ((w * w) * c[4] + c[2]) * c[1]
+        ti = t[i]
+        u = ((((ti * ti) * c[5] + c[2]) * xi) * du) * c[3]
+        u = u + (ti + c[2]) * c[3]
+        dx[i] = u * dy[i]

@@ -18,7 +18,8 @@ a causal step makes about half the matmul FLOPs of the dense attention.
 
 The work is split over the batch (or, with a batch smaller than the thread count, the heads):
 each thread runs the whole blocked loop on its share with a single-threaded BLAS, so there is
-one fork/join per call rather than one per small product. Every product is counted by
+one fork/join per call rather than one per small product, and none for a call too small to
+pay for it (see the thread policy of tfcore.kernels). Every product is counted by
 tfcore.backend.count_matmuls under the label "tiled attention".
 """
 from __future__ import annotations
@@ -67,14 +68,34 @@ def _key_stop(i1, offset, s_k, causal):
     return min(s_k, i1 + offset) if causal else s_k
 
 
+# The boolean masks of the blocks that straddle the causal diagonal, by (bq, bk, shift): a
+# block of queries i0.. and keys j0.. hides key j0 + c from query i0 + r when
+# c > r + shift, shift = i0 + offset - j0. A handful of shapes per model, made once.
+_MASKS: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _causal_mask(bq, bk, shift):
+    """[bq, bk] bool, True where the key is hidden (c > r + shift)."""
+    key = (bq, bk, shift)
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) > 256:            # a bound, for a long run of many sequence lengths
+            _MASKS.clear()
+        mask = np.arange(bk)[None, :] > np.arange(bq)[:, None] + shift
+        _MASKS[key] = mask
+    return mask
+
+
 def _mask_block(s, i0, j0, offset):
-    """s [..., bq, bk] scores of queries i0.. and keys j0..: -inf where key > query + offset."""
+    """s [..., bq, bk] scores of queries i0.. and keys j0..: -inf where key > query + offset.
+
+    One masked copy broadcast over the leading axes (a boolean index s[..., mask] would
+    gather the positions into index arrays first: about 9 times slower on [16, 4, 64, 64]).
+    """
     bq, bk = s.shape[-2:]
     if j0 + bk - 1 <= i0 + offset:          # the whole block is on or below the diagonal
         return
-    rows = np.arange(i0, i0 + bq)[:, None] + offset
-    cols = np.arange(j0, j0 + bk)[None, :]
-    s[..., cols > rows] = -np.inf
+    np.copyto(s, -np.inf, where=_causal_mask(bq, bk, i0 + offset - j0))
 
 
 def _forward_part(q, k, v, out, lse, causal, scale, block):
@@ -87,7 +108,6 @@ def _forward_part(q, k, v, out, lse, causal, scale, block):
         m = np.full(qi.shape[:3] + (1,), -np.inf, dtype=q.dtype)     # running max
         l = np.zeros_like(m)                                         # running sum
         acc = out[:, :, i0:i1]                                       # [b, H, bq, D_v]
-        acc[...] = 0.0
         for j0 in range(0, _key_stop(i1, offset, s_k, causal), block):
             j1 = min(j0 + block, s_k)
             s = _mm(qi, np.swapaxes(k[:, :, j0:j1], -1, -2))          # [b, H, bq, bk]
@@ -100,8 +120,11 @@ def _forward_part(q, k, v, out, lse, causal, scale, block):
             alpha = np.exp(m - m_new)                                # rescales the old sums
             l *= alpha
             l += s.sum(axis=-1, keepdims=True)
-            acc *= alpha
-            acc += _mm(s, v[:, :, j0:j1])
+            if j0 == 0:                      # the first block: written in place, no rescale
+                _mm(s, v[:, :, j0:j1], out=acc)
+            else:
+                acc *= alpha
+                acc += _mm(s, v[:, :, j0:j1])
             m = m_new
         acc /= l
         lse[:, :, i0:i1] = (m + np.log(l))[..., 0]
@@ -113,15 +136,17 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block):
     # delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense backward    [b, H, S_q, 1]
     delta = np.einsum("bhsd,bhsd->bhs", dout, out)[..., None]
     lse4 = lse[..., None]
-    dq[...] = 0.0
+    dq_written = np.zeros(-(-s_q // block), dtype=bool)  # has a query block had a product yet
     for j0 in range(0, s_k, block):
         j1 = min(j0 + block, s_k)
         kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]                      # [b, H, bk, D]
         dkj, dvj = dk[:, :, j0:j1], dv[:, :, j0:j1]
-        dkj[...] = 0.0
-        dvj[...] = 0.0
         # the first query block that sees key j0: query i sees j0 when i >= j0 - offset
         first = max(0, j0 - offset) // block * block if causal else 0
+        if first >= s_q:                  # no query sees these keys (S_q < S_k, causal)
+            dkj[...] = 0.0
+            dvj[...] = 0.0
+            continue
         for i0 in range(first, s_q, block):
             i1 = min(i0 + block, s_q)
             qi, doi = q[:, :, i0:i1], dout[:, :, i0:i1]
@@ -131,50 +156,63 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block):
                 _mask_block(p, i0, j0, offset)
             p -= lse4[:, :, i0:i1]
             np.exp(p, out=p)                                         # probabilities
-            dvj += _mm(np.swapaxes(p, -1, -2), doi)                  # p^T dout
+            # the first product of a block is written in place (no zeroing, no temporary)
+            if i0 == first:
+                _mm(np.swapaxes(p, -1, -2), doi, out=dvj)            # p^T dout
+            else:
+                dvj += _mm(np.swapaxes(p, -1, -2), doi)
             dp = _mm(doi, np.swapaxes(vj, -1, -2))                    # dout v^T [b, H, bq, bk]
             dp -= delta[:, :, i0:i1]
             dp *= p
             dp *= scale                                              # dZ of the block
-            dq[:, :, i0:i1] += _mm(dp, kj)
-            dkj += _mm(np.swapaxes(dp, -1, -2), qi)
+            if dq_written[i0 // block]:
+                dq[:, :, i0:i1] += _mm(dp, kj)
+            else:
+                _mm(dp, kj, out=dq[:, :, i0:i1])
+                dq_written[i0 // block] = True
+            if i0 == first:
+                _mm(np.swapaxes(dp, -1, -2), qi, out=dkj)
+            else:
+                dkj += _mm(np.swapaxes(dp, -1, -2), qi)
+    for blk in np.flatnonzero(~dq_written):   # query blocks that saw no key (none, today)
+        dq[:, :, blk * block:(blk + 1) * block] = 0.0
 
 
-def _parts(batch, heads, threads):
-    """Slices of the batch (or of the heads) for each thread: [(axis-0 slice, axis-1 slice)]."""
-    if batch >= threads or heads < 2:
-        n, axis = min(threads, batch), 0
+def _shares(batch, heads, parts):
+    """Slices of the batch (or of the heads) for each share: [(axis-0 slice, axis-1 slice)]."""
+    from . import _bounds
+
+    if batch >= parts or heads < 2:
+        n, axis = min(parts, batch), 0
     else:
-        n, axis = min(threads, heads), 1
-    size = batch if axis == 0 else heads
-    bounds = [(size * t) // n for t in range(n + 1)]
+        n, axis = min(parts, heads), 1
     full = slice(None)
     return [(slice(lo, hi), full) if axis == 0 else (full, slice(lo, hi))
-            for lo, hi in zip(bounds[:-1], bounds[1:])]
+            for lo, hi in _bounds(batch if axis == 0 else heads, n)]
 
 
-def _run(fn, arrays, threads, extra):
-    """fn(*[a[part] for a in arrays], *extra) for each part, the parts on `threads` threads."""
-    from . import _blas_libraries, _thread_pool
+def _run(fn, arrays, threads, extra, flops):
+    """fn(*[a[share] for a in arrays], *extra) for each share of the batch (or heads), the
+    shares on up to `threads` threads, each share at least MIN_GEMM_FLOPS_PER_THREAD of the
+    call's `flops` (a smaller call runs on this thread alone), each on a single-threaded BLAS."""
+    from . import MIN_GEMM_FLOPS_PER_THREAD, _on_threads, _parts, single_threaded_blas
 
     batch, heads = arrays[0].shape[:2]
-    parts = _parts(batch, heads, threads)
-    if len(parts) == 1:
-        fn(*arrays, *extra)
-        return
-    libs = _blas_libraries()
-    saved = [lib.num_threads for lib in libs]
-    for lib in libs:
-        lib.set_num_threads(1)
-    try:
-        pool = _thread_pool(len(parts))
-        futures = [pool.submit(fn, *[a[p] for a in arrays], *extra) for p in parts[1:]]
-        fn(*[a[parts[0]] for a in arrays], *extra)
-        for f in futures:
-            f.result()
-    finally:
-        for lib, n in zip(libs, saved):
-            lib.set_num_threads(n)
+    parts = _parts(flops, MIN_GEMM_FLOPS_PER_THREAD, batch * heads, threads)
+    with single_threaded_blas():
+        if parts == 1:
+            fn(*arrays, *extra)
+            return
+        _on_threads([(fn, tuple(a[p] for a in arrays) + tuple(extra))
+                     for p in _shares(batch, heads, parts)])
+
+
+def _flops(q, k, causal, widths):
+    """Matmul flops of block products whose inner widths add up to `widths`, over the whole
+    score matrix (half of it when causal): what decides whether a call is worth splitting."""
+    b, h, s_q, _ = q.shape
+    full = 2 * b * h * s_q * k.shape[2] * widths
+    return full // 2 if causal else full
 
 
 def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
@@ -186,13 +224,14 @@ def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
     out = np.empty(q.shape[:3] + v.shape[3:], dtype=q.dtype)
     lse = np.empty(q.shape[:3], dtype=q.dtype)
     _run(_forward_part, (q, k, v, out, lse), threads or _threads(),
-         (bool(causal), float(scale), int(block)))
+         (bool(causal), float(scale), int(block)), _flops(q, k, causal, q.shape[3] + v.shape[3]))
     return out, lse
 
 
 def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK, threads=None):
     """dout [B, H, S_q, D_v] and the forward's q, k, v, out, lse -> dq, dk, dv (shapes of
-    q, k, v). Recomputes the probabilities block by block from lse."""
+    q, k, v; views of one [B, S, 3, H, D_h] buffer when the three shapes are equal).
+    Recomputes the probabilities block by block from lse."""
     _check_qkv(q, k, v, causal)
     _check("out", out)
     _check("dout", dout)
@@ -207,9 +246,17 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
             raise TypeError(f"{name} has dtype {x.dtype}, expected q's {q.dtype}")
     from . import _threads
 
-    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    batch, heads, s_q, d_h = q.shape
+    if k.shape == q.shape and v.shape == q.shape:
+        # dq, dk, dv are written into one [B, S, 3, H, D_h] buffer, the layout of the fused
+        # qkv projection's gradient: qkv_merge_grads then returns it without a copy
+        dqkv = np.empty((batch, s_q, 3, heads, d_h), dtype=q.dtype)
+        dq, dk, dv = (np.swapaxes(dqkv[:, :, i], 1, 2) for i in range(3))
+    else:
+        dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or _threads(),
-         (bool(causal), float(scale), int(block)))
+         (bool(causal), float(scale), int(block)),
+         _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
     return dq, dk, dv
 
 
