@@ -39,6 +39,7 @@ RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
     (["--zero", "4"], "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)"),
     (["--dropout", "1"], "--dropout must be a probability in [0, 1), got 1.0"),
     (["--pp", "0"], "--pp must be a positive integer, got 0"),
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
     (["--cp", "-1"], "--cp must be a positive integer, got -1"),
     (["--pp", "2", "--microbatches", "0"], "--microbatches must be a positive integer, got 0"),
     (["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
@@ -109,8 +110,8 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
      "world 4 = dp 2 x pp 2 x tp 1, gpipe m=2 v=1"),
     (["--pp", "2", "--tp", "2", "--microbatches", "4"],
      "world 4 = dp 1 x pp 2 x tp 2, 1f1b m=4 v=1"),
-    (["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--microbatches", "2",
-      "--config", "small"], "world 2 = dp 1 x pp 2 x tp 1, interleaved m=2 v=2"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--layers", "4"],
+     "world 2 = dp 1 x pp 2 x tp 1, interleaved m=2 v=2, 4 layers, ring, config tiny"),
     (["--cp", "2"], "world 2 = cp 2 (ring attention, balanced chunks)"),
     (["--cp", "2", "--config", "tiny-llama"], "world 2 = cp 2"),
     (["--tp", "2", "--dp", "2", "--dropout", "0.1"], "world 4 = tp 2 x dp 2, sp=False, zero=0, dropout 0.1"),
@@ -129,7 +130,7 @@ def test_help_lists_every_option_and_the_bare_zero(capsys):
     assert done.value.code == 0
     text = capsys.readouterr().out
     for option in ("--zero", "--pp", "--schedule", "--virtual", "--microbatches", "--cp",
-                   "--dropout"):
+                   "--layers", "--dropout"):
         assert option in text
     assert "a bare --zero means 1" in text
 

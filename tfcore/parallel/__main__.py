@@ -14,11 +14,12 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
                                 rank need --schedule interleaved; M defaults to P
     --cp C                      context parallel: every sequence split over the C ranks
                                 (ring attention, balanced causal chunks)
+    --layers L, --dropout P     change the --config's number of blocks, its dropout
 
     mpiexec -n 4 python -m tfcore.parallel --dp 4 --zero 3 --check
     mpiexec -n 4 python -m tfcore.parallel --pp 2 --dp 2 --schedule gpipe --check
-    python -m tfcore.parallel --simulate --pp 2 --schedule interleaved --virtual 2 \
-        --microbatches 2 --config small --check
+    python -m tfcore.parallel --simulate --pp 2 --schedule interleaved --virtual 2 \\
+        --layers 4 --check
     python -m tfcore.parallel --simulate --cp 4 --check
 
 Not supported, and refused before any work: --cp with --tp, --dp, --sp, --zero or
@@ -84,6 +85,9 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
                     help="micro-batches per data-parallel replica (with --pp; default pp)")
     ap.add_argument("--cp", type=int, default=None,
                     help="context-parallel degree: the sequence split over every rank")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="number of blocks, replacing the config's (the pipeline needs it "
+                    "divisible by pp x virtual)")
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="dropout probability of the config (default 0)")
     ap.add_argument("--steps", type=int, default=3)
@@ -94,7 +98,8 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--algorithm", choices=("ring", "naive", "native"), default="ring",
                     help="collective algorithm (native: MPI's own, bytes not observed)")
     ap.add_argument("--simulate", action="store_true",
-                    help="run the ranks as threads of this process (world size = tp x dp)")
+                    help="run the ranks as threads of this process (world size = cp, or "
+                    "tp x pp x dp)")
     ap.add_argument("--check", action="store_true",
                     help="compare with one device; exit 1 if they differ")
     ap.add_argument("--check-tol", type=float, default=1e-12,
@@ -105,7 +110,8 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
                     help="MPI: seconds a rank waits for a message or for the other ranks' "
                     "next collective before it fails the job (default 600)")
     ap.add_argument("--save", default=None, help="write losses and parameters to this .npz")
-    ap.add_argument("--quiet-times", action="store_true", help="do not print step times")
+    ap.add_argument("--quiet-times", action="store_true", help="do not print step times "
+                    "(--pp and --cp runs do not time their steps)")
     return ap
 
 
@@ -148,7 +154,7 @@ def check_combination(args) -> None:
              if getattr(args, name) is not None]
     if args.pp is None and given:
         raise UsageError(f"{given[0]} configures the pipeline: give --pp N with it")
-    for name in ("pp", "cp", "virtual", "microbatches"):
+    for name in ("pp", "cp", "virtual", "microbatches", "layers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be a positive integer, got {value}")
@@ -188,9 +194,12 @@ def check_combination(args) -> None:
 
 
 def config_of(args):
-    """The model config of --config, with --dropout."""
+    """The model config of --config, with --layers and --dropout."""
     config = runner.CONFIGS[args.config]()
-    return dataclasses.replace(config, dropout=args.dropout) if args.dropout else config
+    changes = dict(dropout=args.dropout) if args.dropout else {}
+    if args.layers is not None:
+        changes["n_layers"] = args.layers
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def simulated_size(args) -> int:
@@ -265,6 +274,8 @@ def layout_line(args, world_size: int) -> str:
     else:
         line = (f"world {world_size} = tp {args.tp} x dp {world_size // args.tp}, "
                 f"sp={args.sp}, zero={args.zero}")
+    if args.layers is not None:
+        line += f", {args.layers} layers"
     if args.dropout:
         line += f", dropout {args.dropout}"
     return f"{line}, {args.algorithm}, config {args.config}"
