@@ -41,7 +41,8 @@ RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
     (["--pp", "0"], "--pp must be a positive integer, got 0"),
     (["--layers", "0"], "--layers must be a positive integer, got 0"),
     (["--cp", "-1"], "--cp must be a positive integer, got -1"),
-    (["--pp", "2", "--microbatches", "0"], "--microbatches must be a positive integer, got 0"),
+    (["--pp", "2", "--micro-batches", "0"],
+     "--micro-batches must be a positive integer, got 0"),
     (["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
 ])
 def test_bad_arguments_are_one_line_naming_the_argument(args, message, capsys, monkeypatch):
@@ -81,14 +82,15 @@ def _forbid_training(monkeypatch):
     (["--tp", "2", "--sp", "--zero", "3"], "--sp cannot be combined with --zero 3"),
     (["--schedule", "gpipe"], "--schedule configures the pipeline: give --pp N with it"),
     (["--virtual", "2"], "--virtual configures the pipeline: give --pp N with it"),
-    (["--microbatches", "2"], "--microbatches configures the pipeline: give --pp N with it"),
+    (["--micro-batches", "2"], "--micro-batches configures the pipeline: give --pp N with it"),
     (["--pp", "2", "--virtual", "2"], "--virtual 2 needs --schedule interleaved"),
-    (["--pp", "3"], "--pp 3 --tp 1 --microbatches 3: n_layers (2) must be divisible by pp x "
+    (["--pp", "3"], "--pp 3 --tp 1 --micro-batches 3: n_layers (2) must be divisible by pp x "
                     "n_virtual = 3 x 1 = 3"),
-    (["--pp", "2", "--microbatches", "3"], "--pp 2 --tp 1 --microbatches 3: the global batch "
-                                           "(4) must be divisible by dp x n_microbatches"),
+    (["--pp", "2", "--micro-batches", "3"],
+     "--pp 2 --tp 1 --micro-batches 3: the global batch (4) must be divisible by dp x "
+     "n_microbatches"),
     (["--pp", "2", "--schedule", "interleaved", "--virtual", "2"],
-     "--pp 2 --tp 1 --microbatches 2: n_layers (2) must be divisible by pp x n_virtual"),
+     "--pp 2 --tp 1 --micro-batches 2: n_layers (2) must be divisible by pp x n_virtual"),
     (["--cp", "4", "--seq", "6"], "--cp 4 --seq 6: seq_len (6) must be at least the number "
                                   "of chunks (8 = 2 x 4 ranks)"),
 ])
@@ -108,13 +110,14 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
     (["--dp", "4", "--zero", "3"], "world 4 = tp 1 x dp 4, sp=False, zero=3"),
     (["--pp", "2", "--dp", "2", "--schedule", "gpipe"],
      "world 4 = dp 2 x pp 2 x tp 1, gpipe m=2 v=1"),
-    (["--pp", "2", "--tp", "2", "--microbatches", "4"],
+    (["--pp", "2", "--tp", "2", "--micro-batches", "4"],
      "world 4 = dp 1 x pp 2 x tp 2, 1f1b m=4 v=1"),
     (["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--layers", "4"],
      "world 2 = dp 1 x pp 2 x tp 1, interleaved m=2 v=2, 4 layers, ring, config tiny"),
     (["--cp", "2"], "world 2 = cp 2 (ring attention, balanced chunks)"),
     (["--cp", "2", "--config", "tiny-llama"], "world 2 = cp 2"),
-    (["--tp", "2", "--dp", "2", "--dropout", "0.1"], "world 4 = tp 2 x dp 2, sp=False, zero=0, dropout 0.1"),
+    (["--tp", "2", "--dp", "2", "--dropout", "0.1"],
+     "world 4 = tp 2 x dp 2, sp=False, zero=0, dropout 0.1"),
 ])
 def test_every_parallelism_passes_check(args, layout, capsys):
     assert cli.main(["--simulate", *args, "--steps", "2", "--check"]) == 0
@@ -129,7 +132,7 @@ def test_help_lists_every_option_and_the_bare_zero(capsys):
         cli.main(["--simulate", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--zero", "--pp", "--schedule", "--virtual", "--microbatches", "--cp",
+    for option in ("--zero", "--pp", "--schedule", "--virtual", "--micro-batches", "--cp",
                    "--layers", "--dropout"):
         assert option in text
     assert "a bare --zero means 1" in text

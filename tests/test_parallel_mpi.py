@@ -110,7 +110,7 @@ def test_mpi_reports_a_wrong_layout():
     (["--cp", "2", "--tp", "2"], "--cp cannot be combined with --tp 2"),
     (["--pp", "2", "--zero", "3"], "--pp cannot be combined with --zero 3"),
     (["--cp", "4"], "--cp 4 needs 4 ranks, but the world has 2"),
-    (["--pp", "2", "--dp", "2"], "--pp 2 --tp 1 --microbatches 2: the mesh dp=2 x pp=2 x "
+    (["--pp", "2", "--dp", "2"], "--pp 2 --tp 1 --micro-batches 2: the mesh dp=2 x pp=2 x "
                                  "tp=1 needs 4 ranks, but the world has 2"),
 ])
 def test_mpi_bad_argument_is_one_line_and_status_2(args, named):

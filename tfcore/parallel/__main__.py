@@ -9,7 +9,7 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
     --zero {0,1,2,3}            ZeRO stage over the data-parallel ranks: 1 shards the
                                 optimizer state, 2 also the gradients, 3 also the
                                 parameters (FSDP); a bare --zero means 1
-    --pp P [--schedule {gpipe,1f1b,interleaved}] [--virtual V] [--microbatches M]
+    --pp P [--schedule {gpipe,1f1b,interleaved}] [--virtual V] [--micro-batches M]
                                 pipeline over P stages (DP x PP x TP mesh); V chunks per
                                 rank need --schedule interleaved; M defaults to P
     --cp C                      context parallel: every sequence split over the C ranks
@@ -81,7 +81,7 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--virtual", type=int, default=None,
                     help="model chunks per pipeline rank (with --pp and --schedule "
                     "interleaved; default 1)")
-    ap.add_argument("--microbatches", type=int, default=None,
+    ap.add_argument("--micro-batches", type=int, default=None,
                     help="micro-batches per data-parallel replica (with --pp; default pp)")
     ap.add_argument("--cp", type=int, default=None,
                     help="context-parallel degree: the sequence split over every rank")
@@ -150,14 +150,17 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
 
 def check_combination(args) -> None:
     """Refuse, naming the arguments, the combinations the library does not train."""
-    given = [f"--{name}" for name in ("schedule", "virtual", "microbatches")
-             if getattr(args, name) is not None]
+    given = [flag for flag, value in (("--schedule", args.schedule),
+                                      ("--virtual", args.virtual),
+                                      ("--micro-batches", args.micro_batches))
+             if value is not None]
     if args.pp is None and given:
         raise UsageError(f"{given[0]} configures the pipeline: give --pp N with it")
-    for name in ("pp", "cp", "virtual", "microbatches", "layers"):
+    for name in ("pp", "cp", "virtual", "micro_batches", "layers"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UsageError(f"--{name} must be a positive integer, got {value}")
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
     if args.pp is not None and args.cp is not None:
         raise UsageError("--pp and --cp cannot be combined: give one of them")
     if args.cp is not None:
@@ -228,7 +231,7 @@ def check_layout(args, world_size: int) -> int:
                 config, world_size, args.pp, args.tp, args.dp, microbatches(args),
                 args.virtual or 1, args.batch, args.schedule or "1f1b")
         except ValueError as err:
-            flags = f"--pp {args.pp} --tp {args.tp} --microbatches {microbatches(args)}"
+            flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
             raise UsageError(f"{flags}: {err}") from None
     if args.dp is None:
         if world_size % args.tp:
@@ -251,7 +254,7 @@ def check_layout(args, world_size: int) -> int:
 
 
 def microbatches(args) -> int:
-    return args.microbatches or args.pp
+    return args.micro_batches or args.pp
 
 
 def compare(out, ref) -> tuple[float, float]:
