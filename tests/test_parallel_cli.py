@@ -1,13 +1,15 @@
-"""`python -m tfcore.parallel` in process (--simulate): every bad argument ends with one line
-`error: ...` naming it and status 2, before any training; --check fails (status 1) when the
-parallel run differs from one device."""
+"""`python -m tfcore.parallel` in process (--simulate): every bad argument, and every
+combination of parallelisms the library does not train, ends with one line `error: ...`
+naming it and status 2, before any training; every parallelism (TP, SP, DP, ZeRO-1/2/3,
+the pipeline's three schedules, context parallelism) passes --check against one device;
+--check fails (status 1) when the parallel run differs from one device."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from tfcore.parallel import __main__ as cli
-from tfcore.parallel import runner
+from tfcore.parallel import context, fsdp, pipeline, runner
 
 RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
 
@@ -32,17 +34,127 @@ RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
     (["--save", "/nonexistent-folder/x.npz"], "--save: the folder /nonexistent-folder does "
                                               "not exist or is not writable"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--tp", "3", "--batch", "3", "--dp", "1"], "--tp 3: n_heads (4) must be divisible by "
+                                                 "the tensor-parallel degree (3)"),
+    (["--zero", "4"], "argument --zero: invalid choice: 4 (choose from 0, 1, 2, 3)"),
+    (["--dropout", "1"], "--dropout must be a probability in [0, 1), got 1.0"),
+    (["--pp", "0"], "--pp must be a positive integer, got 0"),
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
+    (["--cp", "-1"], "--cp must be a positive integer, got -1"),
+    (["--pp", "2", "--micro-batches", "0"],
+     "--micro-batches must be a positive integer, got 0"),
+    (["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
 ])
 def test_bad_arguments_are_one_line_naming_the_argument(args, message, capsys, monkeypatch):
-    def no_training(*a, **k):
-        raise AssertionError("a bad argument must be refused before any training")
-
-    monkeypatch.setattr(runner, "train_parallel", no_training)
+    _forbid_training(monkeypatch)
     assert cli.main(["--simulate", *args]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("error: " + message)
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+def _forbid_training(monkeypatch):
+    def no_training(*a, **k):
+        raise AssertionError("a bad argument must be refused before any training")
+
+    for module, name in ((runner, "train_parallel"), (fsdp, "train_sharded"),
+                         (pipeline, "train_pipeline"), (context, "train_context_parallel")):
+        monkeypatch.setattr(module, name, no_training)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cp", "2", "--tp", "2"], "--cp cannot be combined with --tp 2: the ring splits the "
+                                 "sequence, not the weights; leave --tp out"),
+    (["--cp", "2", "--dp", "2"], "--cp cannot be combined with --dp 2"),
+    (["--cp", "2", "--sp"], "--cp cannot be combined with --sp"),
+    (["--cp", "2", "--zero"], "--cp cannot be combined with --zero 1"),
+    (["--cp", "2", "--dropout", "0.1"], "--cp cannot be combined with --dropout 0.1"),
+    (["--pp", "2", "--sp"], "--pp cannot be combined with --sp"),
+    (["--pp", "2", "--zero", "2"], "--pp cannot be combined with --zero 2: the stages' "
+                                   "optimizer is plain data parallel (ZeRO 0); leave --zero "
+                                   "out"),
+    (["--pp", "2", "--zero", "3"], "--pp cannot be combined with --zero 3"),
+    (["--pp", "2", "--dropout", "0.1"], "--pp cannot be combined with --dropout 0.1"),
+    (["--pp", "2", "--cp", "2"], "--pp and --cp cannot be combined: give one of them"),
+    (["--tp", "2", "--sp", "--zero", "2"], "--sp cannot be combined with --zero 2: sequence "
+                                           "parallelism runs with --zero 0 or 1"),
+    (["--tp", "2", "--sp", "--zero", "3"], "--sp cannot be combined with --zero 3"),
+    (["--schedule", "gpipe"], "--schedule configures the pipeline: give --pp N with it"),
+    (["--virtual", "2"], "--virtual configures the pipeline: give --pp N with it"),
+    (["--cp", "2", "--micro-batches", "2"], "--cp cannot be combined with --micro-batches 2"),
+    (["--cp", "2", "--clip", "1"], "--cp cannot be combined with --clip 1.0"),
+    (["--pp", "2", "--bucket-bytes", "64"], "--pp cannot be combined with --bucket-bytes 64"),
+    (["--dp", "2", "--zero", "3", "--clip", "1"], "--zero 3 cannot be combined with --clip 1.0"),
+    (["--dp", "2", "--zero", "2", "--micro-batches", "2"],
+     "--zero 2 cannot be combined with --micro-batches 2"),
+    (["--pp", "2", "--virtual", "2"], "--virtual 2 needs --schedule interleaved"),
+    (["--pp", "3"], "--pp 3 --tp 1 --micro-batches 3: n_layers (2) must be divisible by pp x "
+                    "n_virtual = 3 x 1 = 3"),
+    (["--pp", "2", "--micro-batches", "3"],
+     "--pp 2 --tp 1 --micro-batches 3: the global batch (4) must be divisible by dp x "
+     "n_microbatches"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual", "2"],
+     "--pp 2 --tp 1 --micro-batches 2: n_layers (2) must be divisible by pp x n_virtual"),
+    (["--cp", "4", "--seq", "6"], "--cp 4 --seq 6: seq_len (6) must be at least the number "
+                                  "of chunks (8 = 2 x 4 ranks)"),
+])
+def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
+                                                          monkeypatch):
+    _forbid_training(monkeypatch)
+    assert cli.main(["--simulate", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: " + message)
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("args,layout", [
+    (["--dp", "2", "--zero"], "world 2 = tp 1 x dp 2, sp=False, zero=1"),
+    (["--tp", "2", "--dp", "2", "--zero", "2"], "world 4 = tp 2 x dp 2, sp=False, zero=2"),
+    (["--dp", "4", "--zero", "3"], "world 4 = tp 1 x dp 4, sp=False, zero=3"),
+    (["--pp", "2", "--dp", "2", "--schedule", "gpipe"],
+     "world 4 = dp 2 x pp 2 x tp 1, gpipe m=2 v=1"),
+    (["--pp", "2", "--tp", "2", "--micro-batches", "4"],
+     "world 4 = dp 1 x pp 2 x tp 2, 1f1b m=4 v=1"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--layers", "4"],
+     "world 2 = dp 1 x pp 2 x tp 1, interleaved m=2 v=2, 4 layers, ring, config tiny"),
+    (["--cp", "2"], "world 2 = cp 2 (ring attention, balanced chunks)"),
+    (["--cp", "2", "--config", "tiny-llama"], "world 2 = cp 2"),
+    (["--tp", "2", "--dp", "2", "--dropout", "0.1"],
+     "world 4 = tp 2 x dp 2, sp=False, zero=0, dropout 0.1"),
+])
+def test_every_parallelism_passes_check(args, layout, capsys):
+    assert cli.main(["--simulate", *args, "--steps", "2", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("simulated: " + layout)
+    assert "one device: max relative difference" in out
+    assert out.count("step ") == 2
+
+
+def test_help_lists_every_option_and_the_bare_zero(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--simulate", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--zero", "--pp", "--schedule", "--virtual", "--micro-batches", "--cp",
+                   "--layers", "--dropout"):
+        assert option in text
+    assert "a bare --zero means 1" in text
+
+
+def test_check_fails_on_a_planted_pipeline_difference(capsys, monkeypatch):
+    """--check compares the pipeline's result too (not only train_parallel's)."""
+    true_pipeline = pipeline.train_pipeline
+
+    def moved(world, *args, **kwargs):
+        out = true_pipeline(world, *args, **kwargs)
+        out["params"] = out["params"] * (1 + 1e-9)
+        return out
+
+    monkeypatch.setattr(pipeline, "train_pipeline", moved)
+    assert cli.main(["--simulate", "--pp", "2", "--steps", "1", "--check"]) == 1
+    assert "parameters 1.0e-09" in capsys.readouterr().err
 
 
 def test_save_refuses_a_folder(tmp_path, capsys):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tfcore.parallel import SimulatedGroup
+from tfcore.parallel import __main__ as cli
 from tfcore.parallel.runner import CONFIGS, train_parallel, train_single
 
 pytest.importorskip("mpi4py")
@@ -77,6 +78,24 @@ def test_mpi_native_collectives_equal_one_device(tmp_path):
     assert "not observed" in stdout
 
 
+@pytest.mark.parametrize("args", [
+    ["--dp", "4", "--zero", "3"],
+    ["--pp", "2", "--dp", "2", "--schedule", "1f1b"],
+    ["--cp", "4"],
+])
+def test_mpi_zero3_pipeline_and_context_equal_simulation_and_one_device(tmp_path, args):
+    """ZeRO-3, the pipeline and the ring under `mpiexec -n 4`: --check against one device
+    passes, and the losses, parameters and bytes are the simulation's, bit for bit."""
+    saved, stdout = _mpi_run(tmp_path, 4, *args, "--steps", "2", "--check")
+    assert "one device: max relative difference" in stdout
+    parsed = cli.parse([*args, "--steps", "2"])
+    group = SimulatedGroup(4)
+    sim = group.run(cli.train, parsed, cli.check_layout(parsed, 4))[0]
+    np.testing.assert_array_equal(saved["losses"], sim["losses"])
+    np.testing.assert_array_equal(saved["params"], sim["params"])
+    assert saved["sent"].tolist() == [t.sent for t in group.traffic]
+
+
 def test_mpi_reports_a_wrong_layout():
     done = _mpiexec("-n", "2", *CLI, "--tp", "3")
     assert done.returncode == 2
@@ -88,6 +107,11 @@ def test_mpi_reports_a_wrong_layout():
     (["--batch", "0"], "--batch must be a positive integer"),
     (["--batch", "3"], "--batch 3 must be divisible by the data-parallel degree dp=2"),
     (["--tp", "two"], "argument --tp: invalid int value"),
+    (["--cp", "2", "--tp", "2"], "--cp cannot be combined with --tp 2"),
+    (["--pp", "2", "--zero", "3"], "--pp cannot be combined with --zero 3"),
+    (["--cp", "4"], "--cp 4 needs 4 ranks, but the world has 2"),
+    (["--pp", "2", "--dp", "2"], "--pp 2 --tp 1 --micro-batches 2: the mesh dp=2 x pp=2 x "
+                                 "tp=1 needs 4 ranks, but the world has 2"),
 ])
 def test_mpi_bad_argument_is_one_line_and_status_2(args, named):
     done = _mpiexec("-n", "2", *CLI, *args)
@@ -102,6 +126,15 @@ def test_a_bad_argument_on_one_rank_stops_every_rank():
                     "--steps", "0")
     assert done.returncode == 2
     assert done.stderr == "error: rank 1: --steps must be a positive integer, got 0\n"
+
+
+def test_an_unsupported_combination_on_one_rank_stops_every_rank():
+    """Rank 1 alone asks for --sp with ZeRO-3: refused before rank 0 starts training."""
+    done = _mpiexec("-n", "1", *CLI, "--tp", "2", ":", "-n", "1", *CLI, "--tp", "2",
+                    "--sp", "--zero", "3")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: rank 1: --sp cannot be combined with --zero 3")
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
 
 
 _PLANTED = """

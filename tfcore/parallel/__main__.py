@@ -1,7 +1,34 @@
-"""Train a few steps of a decoder on a DP x TP mesh and print the losses and a checksum.
+"""Train a few steps of a decoder with any of tfcore's parallelisms and print the losses
+and a checksum.
 
     mpiexec -n 4 python -m tfcore.parallel --tp 2 --dp 2 --steps 3 --config tiny
     python -m tfcore.parallel --simulate --tp 2 --dp 2 --steps 3 --config tiny
+
+The layouts (world size = the product of the degrees; --dp defaults to what is left):
+    --tp T --dp D [--sp]        tensor (Megatron-LM) x data parallel, sequence parallel
+    --zero {0,1,2,3}            ZeRO stage over the data-parallel ranks: 1 shards the
+                                optimizer state, 2 also the gradients, 3 also the
+                                parameters (FSDP); a bare --zero means 1
+    --pp P [--schedule {gpipe,1f1b,interleaved}] [--virtual V] [--micro-batches M]
+                                pipeline over P stages (DP x PP x TP mesh); V chunks per
+                                rank need --schedule interleaved; M defaults to P
+    --cp C                      context parallel: every sequence split over the C ranks
+                                (ring attention, balanced causal chunks)
+    --layers L, --dropout P     change the --config's number of blocks, its dropout
+    --micro-batches K --clip C --bucket-bytes N
+                                (--tp/--dp/--sp/--zero 0 or 1) accumulate the gradient
+                                over K micro-batches, clip it to the global norm C,
+                                all-reduce it in buckets overlapped with the backward
+
+    mpiexec -n 4 python -m tfcore.parallel --dp 4 --zero 3 --check
+    mpiexec -n 4 python -m tfcore.parallel --pp 2 --dp 2 --schedule gpipe --check
+    python -m tfcore.parallel --simulate --pp 2 --schedule interleaved --virtual 2 \\
+        --layers 4 --check
+    python -m tfcore.parallel --simulate --cp 4 --check
+
+Not supported, and refused before any work: --cp with --tp, --dp, --sp, --zero,
+--dropout, --micro-batches, --clip or --bucket-bytes; --pp with --sp, --zero, --dropout,
+--clip or --bucket-bytes; --zero 2 or 3 with --sp, --micro-batches or --clip.
 
 The same rank-local code runs on MPI processes or, with --simulate, on threads of one
 process. Rank 0 prints; --check also trains on one device and exits with status 1 when the
@@ -19,6 +46,7 @@ names both calls (--no-call-check turns that check off), and a rank that waits l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -26,8 +54,9 @@ import traceback
 
 import numpy as np
 
-from . import runner
+from . import context, fsdp, pipeline, runner
 from .comm import SimulatedGroup
+from .model import check_layout as check_model_layout
 
 
 class UsageError(ValueError):
@@ -48,7 +77,26 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--dp", type=int, default=None, help="data-parallel degree "
                     "(default: world size / tp)")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
-    ap.add_argument("--zero", action="store_true", help="ZeRO-1 optimizer sharding")
+    ap.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3),
+                    help="ZeRO stage: 1 optimizer state, 2 also gradients, 3 also "
+                    "parameters (FSDP) sharded over dp; a bare --zero means 1 (default 0)")
+    ap.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
+    ap.add_argument("--schedule", choices=pipeline.SCHEDULES, default=None,
+                    help="pipeline schedule (with --pp; default 1f1b)")
+    ap.add_argument("--virtual", type=int, default=None,
+                    help="model chunks per pipeline rank (with --pp and --schedule "
+                    "interleaved; default 1)")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="micro-batches of each data-parallel replica's rows: with --pp the "
+                    "pipeline's (default pp), otherwise gradient accumulation (weights "
+                    "c_k / T_c; default 1)")
+    ap.add_argument("--cp", type=int, default=None,
+                    help="context-parallel degree: the sequence split over every rank")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="number of blocks, replacing the config's (the pipeline needs it "
+                    "divisible by pp x virtual)")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout probability of the config (default 0)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4, help="global batch (rows)")
     ap.add_argument("--seq", type=int, default=8)
@@ -57,7 +105,8 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--algorithm", choices=("ring", "naive", "native"), default="ring",
                     help="collective algorithm (native: MPI's own, bytes not observed)")
     ap.add_argument("--simulate", action="store_true",
-                    help="run the ranks as threads of this process (world size = tp x dp)")
+                    help="run the ranks as threads of this process (world size = cp, or "
+                    "tp x pp x dp)")
     ap.add_argument("--check", action="store_true",
                     help="compare with one device; exit 1 if they differ")
     ap.add_argument("--check-tol", type=float, default=1e-12,
@@ -67,14 +116,13 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="MPI: seconds a rank waits for a message or for the other ranks' "
                     "next collective before it fails the job (default 600)")
-    ap.add_argument("--micro-batches", type=int, default=1, help="accumulate the gradient "
-                    "over this many micro-batches of each rank's rows (weights c_k / T_c)")
     ap.add_argument("--clip", type=float, default=None, help="clip the gradient to this "
                     "global norm (over every shard, replicas counted once)")
     ap.add_argument("--bucket-bytes", type=int, default=None, help="all-reduce the gradient "
                     "in buckets of at most this many bytes, overlapped with the backward")
     ap.add_argument("--save", default=None, help="write losses and parameters to this .npz")
-    ap.add_argument("--quiet-times", action="store_true", help="do not print step times")
+    ap.add_argument("--quiet-times", action="store_true", help="do not print step times "
+                    "(--pp and --cp runs do not time their steps)")
     return ap
 
 
@@ -91,9 +139,6 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
         raise UsageError(f"--seed must be a non-negative integer, got {args.seed}")
     if not 0 < args.timeout < float("inf"):
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.micro_batches < 1:
-        raise UsageError(f"--micro-batches must be a positive integer, got "
-                         f"{args.micro_batches}")
     if args.clip is not None and not 0 < args.clip < float("inf"):
         raise UsageError(f"--clip must be a positive finite norm, got {args.clip}")
     if args.bucket_bytes is not None and args.bucket_bytes < 1:
@@ -107,6 +152,9 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
     if args.seq > longest:
         raise UsageError(f"--seq {args.seq} exceeds the context of --config {args.config} "
                          f"({longest} positions)")
+    if not 0 <= args.dropout < 1:        # also refuses nan
+        raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
+    check_combination(args)
     if args.simulate and args.algorithm == "native":
         raise UsageError("--algorithm native is MPI's own; simulate ring or naive")
     if args.save is not None:
@@ -118,9 +166,106 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
     return args
 
 
+def check_combination(args) -> None:
+    """Refuse, naming the arguments, the combinations the library does not train."""
+    given = [flag for flag, value in (("--schedule", args.schedule),
+                                      ("--virtual", args.virtual))
+             if value is not None]
+    if args.pp is None and given:
+        raise UsageError(f"{given[0]} configures the pipeline: give --pp N with it")
+    for name in ("pp", "cp", "virtual", "micro_batches", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
+    if args.pp is not None and args.cp is not None:
+        raise UsageError("--pp and --cp cannot be combined: give one of them")
+    if args.cp is not None:
+        for bad, what, why in (
+                (args.tp != 1, f"--tp {args.tp}", "the ring splits the sequence, not the "
+                 "weights"),
+                (args.dp not in (None, 1), f"--dp {args.dp}", "every rank holds a piece of "
+                 "each sequence (the world size is --cp)"),
+                (args.sp, "--sp", "sequence parallelism belongs to tensor parallelism"),
+                (args.zero != 0, f"--zero {args.zero}", "every rank keeps the whole "
+                 "optimizer state"),
+                (args.dropout != 0, f"--dropout {args.dropout}", "the context-parallel "
+                 "decoder runs without dropout"),
+                (args.micro_batches is not None, f"--micro-batches {args.micro_batches}",
+                 "the ring runs each step's batch at once"),
+                (args.clip is not None, f"--clip {args.clip}", "the ring does not clip"),
+                (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
+                 "the ring all-reduces the gradient after the backward")):
+            if bad:
+                raise UsageError(f"--cp cannot be combined with {what}: {why}; leave "
+                                 f"{what.split()[0]} out")
+    if args.pp is not None:
+        for bad, what, why in (
+                (args.sp, "--sp", "the stages run without sequence parallelism"),
+                (args.zero != 0, f"--zero {args.zero}", "the stages' optimizer is plain "
+                 "data parallel (ZeRO 0)"),
+                (args.dropout != 0, f"--dropout {args.dropout}", "the stages would draw the "
+                 "dropout masks in another order than one device"),
+                (args.clip is not None, f"--clip {args.clip}", "the stages do not clip"),
+                (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
+                 "the stages all-reduce the gradient after the pipeline")):
+            if bad:
+                raise UsageError(f"--pp cannot be combined with {what}: {why}; leave "
+                                 f"{what.split()[0]} out")
+        virtual = args.virtual or 1
+        if virtual > 1 and args.schedule != "interleaved":
+            raise UsageError(f"--virtual {virtual} needs --schedule interleaved (gpipe and "
+                             "1f1b run one chunk per rank)")
+    if args.zero >= 2 and args.pp is None:
+        for bad, what in ((args.micro_batches not in (None, 1),
+                           f"--micro-batches {args.micro_batches}"),
+                          (args.clip is not None, f"--clip {args.clip}")):
+            if bad:
+                raise UsageError(f"--zero {args.zero} cannot be combined with {what}: "
+                                 "ZeRO-2/3 train without accumulation or clipping; leave "
+                                 f"{what.split()[0]} out")
+    if args.sp and args.zero >= 2:
+        raise UsageError(f"--sp cannot be combined with --zero {args.zero}: sequence "
+                         "parallelism runs with --zero 0 or 1")
+
+
+def config_of(args):
+    """The model config of --config, with --layers and --dropout."""
+    config = runner.CONFIGS[args.config]()
+    changes = dict(dropout=args.dropout) if args.dropout else {}
+    if args.layers is not None:
+        changes["n_layers"] = args.layers
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def simulated_size(args) -> int:
+    """The world size of a simulated run: the product of the degrees (--dp defaults to 1)."""
+    if args.cp is not None:
+        return args.cp
+    return args.tp * (args.pp or 1) * (args.dp or 1)
+
+
 def check_layout(args, world_size: int) -> int:
     """The data-parallel degree of a world of `world_size` ranks; UsageError names the
     argument when the sizes do not fit."""
+    config = config_of(args)
+    if args.cp is not None:
+        if args.cp != world_size:
+            raise UsageError(f"--cp {args.cp} needs {args.cp} ranks, but the world has "
+                             f"{world_size}")
+        try:
+            context.ContextLayout(args.seq, args.cp, balanced=True)
+        except ValueError as err:
+            raise UsageError(f"--cp {args.cp} --seq {args.seq}: {err}") from None
+        return 1
+    if args.pp is not None:
+        try:
+            return pipeline.check_pipeline_layout(
+                config, world_size, args.pp, args.tp, args.dp, microbatches(args),
+                args.virtual or 1, args.batch, args.schedule or "1f1b")
+        except ValueError as err:
+            flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
+            raise UsageError(f"{flags}: {err}") from None
     if args.dp is None:
         if world_size % args.tp:
             raise UsageError(f"--tp {args.tp}: the world size {world_size} is not a multiple "
@@ -134,10 +279,18 @@ def check_layout(args, world_size: int) -> int:
     if args.batch % dp:
         raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel "
                          f"degree dp={dp}")
-    if (args.batch // dp) % args.micro_batches:
+    if (args.batch // dp) % (args.micro_batches or 1):
         raise UsageError(f"--micro-batches {args.micro_batches} must divide the rows of each "
                          f"data-parallel rank ({args.batch // dp})")
+    try:
+        check_model_layout(config, args.tp, args.seq, args.sp)
+    except ValueError as err:
+        raise UsageError(f"--tp {args.tp}: {err}") from None
     return dp
+
+
+def microbatches(args) -> int:
+    return args.micro_batches or args.pp
 
 
 def compare(out, ref) -> tuple[float, float]:
@@ -150,13 +303,49 @@ def compare(out, ref) -> tuple[float, float]:
     return d_loss, d_params
 
 
+def layout_line(args, world_size: int) -> str:
+    if args.cp is not None:
+        line = f"world {world_size} = cp {args.cp} (ring attention, balanced chunks)"
+    elif args.pp is not None:
+        dp = world_size // (args.pp * args.tp)
+        line = (f"world {world_size} = dp {dp} x pp {args.pp} x tp {args.tp}, "
+                f"{args.schedule or '1f1b'} m={microbatches(args)} v={args.virtual or 1}")
+    else:
+        line = (f"world {world_size} = tp {args.tp} x dp {world_size // args.tp}, "
+                f"sp={args.sp}, zero={args.zero}")
+    if args.layers is not None:
+        line += f", {args.layers} layers"
+    if args.dropout:
+        line += f", dropout {args.dropout}"
+    return f"{line}, {args.algorithm}, config {args.config}"
+
+
+def train(world, args, dp):
+    """Rank-local: the library's training function for the chosen layout."""
+    config = config_of(args)
+    common = (world, config, args.steps, args.batch, args.seq)
+    if args.cp is not None:
+        return context.train_context_parallel(*common, balanced=True, seed=args.seed)
+    if args.pp is not None:
+        return pipeline.train_pipeline(*common, pp=args.pp, n_microbatches=microbatches(args),
+                                       schedule=args.schedule or "1f1b",
+                                       n_virtual=args.virtual or 1, tp=args.tp, dp=dp,
+                                       seed=args.seed)
+    if args.zero >= 2:
+        return fsdp.train_sharded(*common, tp=args.tp, dp=dp, stage=args.zero, seed=args.seed)
+    return runner.train_parallel(*common, tp=args.tp, dp=dp, sequence_parallel=args.sp,
+                                 zero=args.zero == 1, seed=args.seed,
+                                 micro_batches=args.micro_batches or 1, clip=args.clip,
+                                 bucket_bytes=args.bucket_bytes)
+
+
 def report(args, out, traffics, world_size, mode) -> int:
     """Rank 0's printout (and --check, --save); the exit status."""
-    print(f"{mode}: world {world_size} = tp {args.tp} x dp {world_size // args.tp}, "
-          f"sp={args.sp}, zero={args.zero}, {args.algorithm}, config {args.config}")
+    print(f"{mode}: {layout_line(args, world_size)}")
+    times = out.get("times")             # the pipeline and the ring do not time their steps
     for t, loss in enumerate(out["losses"]):
         line = f"step {t}: loss {loss:.15f}"
-        if not args.quiet_times:
+        if times is not None and not args.quiet_times:
             line += f"  ({out['times'][t] * 1e3:.1f} ms)"
         print(line)
     print("parameters:", runner.checksum(out["params"]))
@@ -167,10 +356,10 @@ def report(args, out, traffics, world_size, mode) -> int:
         print("bytes sent per rank (whole run):", sent, "total", sum(sent))
     if args.save:
         np.savez(args.save, losses=np.array(out["losses"]), params=out["params"],
-                 sent=np.array(sent), times=np.array(out["times"]))
+                 sent=np.array(sent), times=np.array(times if times is not None else []))
     if args.check:
-        ref = runner.train_single(runner.CONFIGS[args.config](), args.steps, args.batch,
-                                  args.seq, args.seed, clip=args.clip)
+        ref = runner.train_single(config_of(args), args.steps, args.batch, args.seq,
+                                  args.seed, clip=args.clip)
         d_loss, d_params = compare(out, ref)
         print(f"one device: max relative difference of the losses {d_loss:.1e}, "
               f"of the parameters {d_params:.1e}")
@@ -182,25 +371,17 @@ def report(args, out, traffics, world_size, mode) -> int:
     return 0
 
 
-def _train_kwargs(args, dp):
-    return dict(tp=args.tp, dp=dp, sequence_parallel=args.sp, zero=args.zero, seed=args.seed,
-                micro_batches=args.micro_batches, clip=args.clip,
-                bucket_bytes=args.bucket_bytes)
-
-
 def main_simulated(argv) -> int:
     try:
         args = parse(argv)
-        dp = check_layout(args, args.tp * (args.dp or 1))
+        size = simulated_size(args)
+        dp = check_layout(args, size)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    config = runner.CONFIGS[args.config]()
-    size = args.tp * dp
     group = SimulatedGroup(size, args.algorithm)
     try:
-        results = group.run(runner.train_parallel, config, args.steps, args.batch, args.seq,
-                            **_train_kwargs(args, dp))
+        results = group.run(train, args, dp)
     except Exception as err:             # a failure on a rank (its message names it)
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
         print(f"error: {err}", file=sys.stderr)
@@ -241,9 +422,7 @@ def main_mpi(argv) -> int:
             return 2
         world = MPIComm(algorithm=args.algorithm, check_calls=not args.no_call_check,
                         timeout=args.timeout)
-        config = runner.CONFIGS[args.config]()
-        out = runner.train_parallel(world, config, args.steps, args.batch, args.seq,
-                                    **_train_kwargs(args, dp))
+        out = train(world, args, dp)
         traffics = world.all_gather_object(world.traffic.summary())
         status = report(args, out, traffics, world.size, "MPI") if rank == 0 else 0
         # every rank exits with rank 0's status (--check runs on rank 0 only); the others
