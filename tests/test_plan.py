@@ -9,6 +9,7 @@ import pytest
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import SimulatedGroup, bubble_fraction
+from tfcore.parallel.context import train_context_parallel
 from tfcore.parallel.pipeline import train_pipeline
 from tfcore.parallel.plan import plan
 from tfcore.parallel.runner import CONFIGS
@@ -89,3 +90,28 @@ def test_layouts_not_priced_give_none_not_a_guess():
 def test_plan_refuses_bad_pipelines(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan(_config("tiny"), **dict(dict(batch=12, seq=SEQ), **kwargs))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("cp,balanced,seq", [(2, True, 12), (3, False, 12), (3, True, 13)])
+def test_plan_equals_the_simulated_context_parallel_run(name, cp, balanced, seq):
+    config = CONFIGS[name]()
+    group = SimulatedGroup(cp)
+    results = group.run(train_context_parallel, config, 1, 2, seq, balanced=balanced)
+    p = plan(config, cp=cp, balanced=balanced, batch=2, seq=seq)
+    assert p.sent == [t.sent for t in group.traffic]
+    P = results[0]["params"].size * 8
+    for mem in p.memory_per_rank:
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == (P, P, 2 * P)
+        assert mem["activations"] is None
+
+
+def test_context_parallel_refuses_and_declines():
+    config = _config("tiny")
+    with pytest.raises(ValueError, match="cp must be a positive integer"):
+        plan(config, cp=0, batch=2, seq=SEQ)
+    with pytest.raises(ValueError, match="every chunk must hold a position"):
+        plan(config, cp=8, batch=2, seq=SEQ)
+    with pytest.raises(ValueError, match="balanced must be True or False"):
+        plan(config, cp=2, balanced="yes", batch=2, seq=SEQ)
+    assert plan(config, cp=2, dp=2, batch=2, seq=SEQ).sent is None

@@ -26,17 +26,26 @@ micro-batch through one chunk) that rank holds at once (peak_stored_microbatches
 are not priced (activations None): the parallel blocks keep more than sizes.py's one-device
 caches, and that difference has no closed form here yet.
 
+Context parallelism (cp = N_C > 1 alone: dp = tp = pp = 1): every rank holds the whole
+model (replicated AdamW) and S / N_C positions of each sequence; per step it sends, in each
+of the L layers, ring_attention_bytes (the K, V blocks forward; K, V and the dK, dV partials
+backward), then all-reduces the loss and the token count (2 elements) and the gradients
+(P elements) over the context group.
+
 Layouts it cannot price give None rather than a guess, and why:
   activations with tp > 1 or pp > 1     the parallel model's caches have no closed form yet
   pp > 1 with tp > 1 or zero > 0        no simulated run combines them with the tp
                                         collectives of a stage, or ZeRO, to check against
   microbatches > 1 without pp           gradient accumulation has no simulated run here
+  cp > 1 with dp, tp, pp or zero        no simulated run combines them
+  activations with cp > 1               the ring's caches have no closed form here yet
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..models.sizes import decoder_sizes
+from .context import ContextLayout, ring_attention_bytes
 from .model import check_layout
 from .pipeline import (
     bubble_fraction,
@@ -45,7 +54,7 @@ from .pipeline import (
     pipeline_bytes_sent,
     stage_param_names,
 )
-from .volume import collective_bytes, step_traffic, zero_memory
+from .volume import collective_bytes, local_parameters, step_traffic, zero_memory
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 ZERO_STAGES = (0, 1, 2, 3)
@@ -83,15 +92,18 @@ def _positive_int(name, value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, batch: int,
+def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
+         batch: int,
          seq: int, microbatches: int = 1, virtual: int = 1, dtype: str = "float64",
-         algorithm: str = "ring", schedule: str | None = None) -> Plan:
+         algorithm: str = "ring", schedule: str | None = None,
+         balanced: bool = True) -> Plan:
     """Memory per rank, bytes per rank per step and the bubble of training `config` on a
     dp x tp (x pp) mesh with ZeRO stage `zero`, global batch [batch, seq]; with pp > 1 the
     pipeline runs `schedule` ('gpipe', '1f1b', 'interleaved'; default 1f1b, interleaved when
-    virtual > 1) over m = microbatches micro-batches of batch / (dp m) rows. Raises
+    virtual > 1) over m = microbatches micro-batches of batch / (dp m) rows; with cp > 1 the
+    sequence is split over cp ranks (balanced: two mirrored chunks each). Raises
     ValueError for a layout that cannot run, before any work."""
-    for name, value in dict(dp=dp, tp=tp, pp=pp, batch=batch, seq=seq,
+    for name, value in dict(dp=dp, tp=tp, pp=pp, cp=cp, batch=batch, seq=seq,
                             microbatches=microbatches, virtual=virtual).items():
         _positive_int(name, value)
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
@@ -114,18 +126,27 @@ def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, batch:
     if config.n_layers % (pp * virtual):
         raise ValueError(f"n_layers ({config.n_layers}) must be divisible by pp x virtual "
                          f"({pp} x {virtual}): every stage holds whole blocks")
+    if not isinstance(balanced, bool):
+        raise ValueError(f"balanced must be True or False, got {balanced!r}")
+    if cp > 1:
+        ContextLayout(seq, cp, balanced)          # its own checks: a position per chunk
     if schedule is None:
         schedule = "interleaved" if virtual > 1 else "1f1b"
     if pp > 1:
         make_schedule(schedule, pp, microbatches, virtual)    # its own checks (p | m, v)
     check_layout(config, tp)
 
-    layout = dict(dp=dp, tp=tp, pp=pp, zero=zero, batch=batch, seq=seq,
+    layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, batch=batch, seq=seq,
                   microbatches=microbatches, virtual=virtual, dtype=dtype)
     if pp > 1:
         layout["schedule"] = schedule
     bubble = float(bubble_fraction(pp, microbatches, virtual))
     f = ITEMSIZE[dtype]
+    if cp > 1:
+        layout["balanced"] = balanced
+        if dp > 1 or tp > 1 or pp > 1 or zero > 0 or microbatches > 1:
+            return Plan(layout, None, None, None, None, None, bubble)
+        return _context_plan(config, layout, cp, balanced, batch, seq, f, algorithm, bubble)
     if pp > 1:
         peak = [peak_stored_microbatches(schedule, pp, s, microbatches, virtual)
                 for d in range(dp) for s in range(pp) for t in range(tp)]
@@ -196,3 +217,25 @@ def _pipeline_plan(config, layout, dp, pp, virtual, microbatches, batch, seq, f,
     traffic = {k: b for k, b in sorted(traffic_per_rank[busiest].items()) if b}
     return Plan(layout, memory_per_rank[fullest], memory_per_rank, traffic,
                 traffic_per_rank, sent, bubble, peak)
+
+
+def _context_plan(config, layout, cp, balanced, batch, seq, f, algorithm, bubble) -> Plan:
+    """cp > 1 alone: rank r sends L (forward_r + backward_r) of ring_attention_bytes, then
+    all-reduces 2 elements (the loss and T_c) and P (the gradients) over the context group.
+    memory: params P f, grads P f, optimizer 2 P f (every rank holds the whole model)."""
+    P = local_parameters(config, 1, 0)
+    ring = ring_attention_bytes(ContextLayout(seq, cp, balanced), batch, config.n_kv_heads,
+                                config.head_dim, itemsize=f)
+    memory_per_rank, traffic_per_rank = [], []
+    for r in range(cp):
+        memory_per_rank.append(dict(params=P * f, grads=P * f, optimizer=2 * P * f,
+                                    gathered=0, activations=None, total=4 * P * f))
+        traffic_per_rank.append({
+            "cp ring": config.n_layers * (ring["forward"][r] + ring["backward"][r]),
+            "cp all_reduce": sum(collective_bytes("all_reduce", algorithm, M, cp,
+                                                  f)["sent"][r] for M in (2, P))})
+    sent = [sum(r.values()) for r in traffic_per_rank]
+    busiest = max(range(cp), key=lambda w: sent[w])
+    return Plan(layout, memory_per_rank[0], memory_per_rank,
+                dict(sorted(traffic_per_rank[busiest].items())), traffic_per_rank, sent,
+                bubble)
