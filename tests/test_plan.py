@@ -69,6 +69,7 @@ def test_gpipe_holds_more_caches_than_1f1b_and_interleaving_shrinks_the_bubble()
     assert gpipe.sent == one_f.sent                       # the same messages, reordered
     assert gpipe.bubble == one_f.bubble == 2 * inter.bubble == 3 / 8
     assert inter.layout["schedule"] == "interleaved"
+    assert ("peak caches", "8 8 8 8") in gpipe.rows()
 
 
 def test_layouts_not_priced_give_none_not_a_guess():
@@ -82,6 +83,7 @@ def test_layouts_not_priced_give_none_not_a_guess():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(pp=2, schedule="pipedream"), "schedule must be one of"),
+    (dict(schedule="zb-v"), "schedule must be one of"),
     (dict(pp=2, microbatches=3, virtual=2), "divisible by n_stages"),
     (dict(pp=2, schedule="gpipe", virtual=2), "n_virtual must be 1"),
     (dict(pp=2, microbatches=0), "microbatches must be a positive integer"),

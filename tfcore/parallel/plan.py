@@ -3,7 +3,8 @@
     p = plan(config, dp=4, tp=2, zero=3, batch=32, seq=128)
     p.memory          {'params', 'grads', 'optimizer', 'gathered', 'activations', 'total'}:
                       bytes on the fullest rank at the step's peak
-    p.memory_per_rank the same for every world rank w = d * tp + t
+    p.memory_per_rank the same for every world rank w = (d * pp + s) * tp + t (mesh.py;
+                      the context rank r with cp > 1)
     p.traffic         {'dp reduce_scatter': bytes, 'tp all_reduce': ...} that the busiest
                       rank sends in one step; p.sent the total per world rank
     p.bubble          the pipeline's idle fraction (p - 1) / (v m) (pipeline.bubble_fraction)
@@ -48,6 +49,7 @@ from ..models.sizes import decoder_sizes
 from .context import ContextLayout, ring_attention_bytes
 from .model import check_layout
 from .pipeline import (
+    SCHEDULES,
     bubble_fraction,
     make_schedule,
     peak_stored_microbatches,
@@ -93,8 +95,7 @@ def _positive_int(name, value):
 
 
 def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
-         batch: int,
-         seq: int, microbatches: int = 1, virtual: int = 1, dtype: str = "float64",
+         batch: int, seq: int, microbatches: int = 1, virtual: int = 1, dtype: str = "float64",
          algorithm: str = "ring", schedule: str | None = None,
          balanced: bool = True) -> Plan:
     """Memory per rank, bytes per rank per step and the bubble of training `config` on a
@@ -130,6 +131,8 @@ def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: in
         raise ValueError(f"balanced must be True or False, got {balanced!r}")
     if cp > 1:
         ContextLayout(seq, cp, balanced)          # its own checks: a position per chunk
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule is None:
         schedule = "interleaved" if virtual > 1 else "1f1b"
     if pp > 1:
