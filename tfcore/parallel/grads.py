@@ -36,9 +36,10 @@ sharded_over, where):
                  and replicated norms side by side)
 
     tensor parallel   a sharded weight: sharded_over=(tp,); a LayerNorm weight: ()
-    ZeRO-1 / ZeRO-2   the owned chunk: add dp to the piece's groups
-    pipeline          every piece of a stage: add the pipeline group
-    ZeRO-3 / FSDP     the owned shard of each parameter: add dp
+    ZeRO-1            the owned chunk: add dp to the piece's groups
+    pipeline          every piece of a stage: add the pipeline group; the last stage's
+                      copy of a tied wte is masked out (the first stage counts it)
+    ZeRO-2 / ZeRO-3   the owned chunk of each unit (the shard [Z_d]): add dp
 
 Every rank must pass pieces with the same list of distinct groupings, in any order (an
 empty array where it holds none): the partial sums are all-reduced one grouping at a
