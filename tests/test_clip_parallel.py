@@ -41,17 +41,29 @@ def clipped(config):
 
 PIPELINES = [dict(schedule="1f1b"), dict(schedule="1f1b", tp=2),
              dict(schedule="interleaved", n_virtual=2),
-             dict(schedule="interleaved", n_virtual=2, tp=2)]
+             dict(schedule="interleaved", n_virtual=2, tp=2), dict(schedule="1f1b", dp=2)]
 
 
 @pytest.mark.parametrize("layout", PIPELINES)
 def test_pipeline_clip_equals_one_device(config, clipped, layout):
-    world = 2 * layout.get("tp", 1)
+    world = 2 * layout.get("tp", 1) * layout.get("dp", 1)
     outs = SimulatedGroup(world).run(train_pipeline, config, STEPS, BATCH, SEQ, pp=2,
                                      n_microbatches=2, clip=MAX_NORM, **layout)
     for out in outs:                                  # every rank knows the global norm
         assert rel(out["norms"], clipped["norms"]) < 1e-12
     assert rel(outs[0]["params"], clipped["params"]) < 1e-12
+
+
+def test_pipeline_clip_with_an_untied_head_equals_one_device():
+    """tiny-llama: the head has its own head.W on the last stage, nothing is masked."""
+    config = dataclasses.replace(CONFIGS["tiny-llama"](), n_layers=4)
+    assert not config.tied_head
+    ref = train_single(config, STEPS, BATCH, SEQ, clip=MAX_NORM)
+    assert min(ref["norms"]) > 5 * MAX_NORM
+    out = SimulatedGroup(4).run(train_pipeline, config, STEPS, BATCH, SEQ, pp=2, tp=2,
+                                n_microbatches=2, clip=MAX_NORM)[0]
+    assert rel(out["norms"], ref["norms"]) < 1e-12
+    assert rel(out["params"], ref["params"]) < 1e-12
 
 
 @pytest.mark.parametrize("stage", [2, 3])
