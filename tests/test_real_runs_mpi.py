@@ -85,3 +85,17 @@ def test_the_command_line_under_mpi():
                           cwd=str(Path(__file__).parents[1]))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "one device: max relative difference" in done.stdout
+
+
+@pytest.mark.parametrize("layout", [["--pp", "2", "--tp", "2", "--layers", "4"],
+                                    ["--dp", "2", "--tp", "2", "--zero", "3"]])
+def test_clipping_of_the_pipeline_and_zero3_under_mpi(layout):
+    """--clip with the pipeline (stages x TP, tied head) and with ZeRO-3 (dp x tp) under
+    `mpiexec -n 4`, checked against one device's clip by --check (status 1 if they differ;
+    0.1 is below these steps' gradient norms, so the clip acts)."""
+    from test_parallel_mpi import CLI, _mpiexec
+
+    done = _mpiexec("-n", "4", *CLI, *layout, "--batch", "8", "--clip", "0.1", "--check",
+                    "--quiet-times")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "one device: max relative difference" in done.stdout

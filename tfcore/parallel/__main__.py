@@ -15,10 +15,12 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
     --cp C                      context parallel: every sequence split over the C ranks
                                 (ring attention, balanced causal chunks)
     --layers L, --dropout P     change the --config's number of blocks, its dropout
-    --micro-batches K --clip C --bucket-bytes N
+    --micro-batches K --bucket-bytes N
                                 (--tp/--dp/--sp/--zero 0 or 1) accumulate the gradient
-                                over K micro-batches, clip it to the global norm C,
-                                all-reduce it in buckets overlapped with the backward
+                                over K micro-batches, all-reduce it in buckets
+                                overlapped with the backward
+    --clip C                    clip the gradient to the global norm C (every layout but
+                                --cp: TP, DP, ZeRO 1/2/3, the pipeline's stages)
 
     mpiexec -n 4 python -m tfcore.parallel --dp 4 --zero 3 --check
     mpiexec -n 4 python -m tfcore.parallel --pp 2 --dp 2 --schedule gpipe --check
@@ -27,8 +29,8 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
     python -m tfcore.parallel --simulate --cp 4 --check
 
 Not supported, and refused before any work: --cp with --tp, --dp, --sp, --zero,
---dropout, --micro-batches, --clip or --bucket-bytes; --pp with --sp, --zero, --dropout,
---clip or --bucket-bytes; --zero 2 or 3 with --sp, --micro-batches or --clip.
+--dropout, --micro-batches, --clip or --bucket-bytes; --pp with --sp, --zero, --dropout
+or --bucket-bytes; --zero 2 or 3 with --sp or --micro-batches.
 
 The same rank-local code runs on MPI processes or, with --simulate, on threads of one
 process. Rank 0 prints; --check also trains on one device and exits with status 1 when the
@@ -206,7 +208,6 @@ def check_combination(args) -> None:
                  "data parallel (ZeRO 0)"),
                 (args.dropout != 0, f"--dropout {args.dropout}", "the stages would draw the "
                  "dropout masks in another order than one device"),
-                (args.clip is not None, f"--clip {args.clip}", "the stages do not clip"),
                 (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
                  "the stages all-reduce the gradient after the pipeline")):
             if bad:
@@ -216,14 +217,10 @@ def check_combination(args) -> None:
         if virtual > 1 and args.schedule != "interleaved":
             raise UsageError(f"--virtual {virtual} needs --schedule interleaved (gpipe and "
                              "1f1b run one chunk per rank)")
-    if args.zero >= 2 and args.pp is None:
-        for bad, what in ((args.micro_batches not in (None, 1),
-                           f"--micro-batches {args.micro_batches}"),
-                          (args.clip is not None, f"--clip {args.clip}")):
-            if bad:
-                raise UsageError(f"--zero {args.zero} cannot be combined with {what}: "
-                                 "ZeRO-2/3 train without accumulation or clipping; leave "
-                                 f"{what.split()[0]} out")
+    if args.zero >= 2 and args.pp is None and args.micro_batches not in (None, 1):
+        what = f"--micro-batches {args.micro_batches}"
+        raise UsageError(f"--zero {args.zero} cannot be combined with {what}: ZeRO-2/3 "
+                         "train without accumulation; leave --micro-batches out")
     if args.sp and args.zero >= 2:
         raise UsageError(f"--sp cannot be combined with --zero {args.zero}: sequence "
                          "parallelism runs with --zero 0 or 1")
@@ -330,9 +327,10 @@ def train(world, args, dp):
         return pipeline.train_pipeline(*common, pp=args.pp, n_microbatches=microbatches(args),
                                        schedule=args.schedule or "1f1b",
                                        n_virtual=args.virtual or 1, tp=args.tp, dp=dp,
-                                       seed=args.seed)
+                                       seed=args.seed, clip=args.clip)
     if args.zero >= 2:
-        return fsdp.train_sharded(*common, tp=args.tp, dp=dp, stage=args.zero, seed=args.seed)
+        return fsdp.train_sharded(*common, tp=args.tp, dp=dp, stage=args.zero, seed=args.seed,
+                                  clip=args.clip)
     return runner.train_parallel(*common, tp=args.tp, dp=dp, sequence_parallel=args.sp,
                                  zero=args.zero == 1, seed=args.seed,
                                  micro_batches=args.micro_batches or 1, clip=args.clip,

@@ -52,6 +52,7 @@ from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from ..optim import adamw_update
 from . import layers as L
 from .comm import chunk_bounds
+from .grads import clip_grad_norm, parallel_pieces, tensor_parallel_mask
 from .mesh import Mesh
 from .model import TensorParallelDecoder
 
@@ -244,6 +245,7 @@ class ShardedDecoder(TensorParallelDecoder):
         self.dtype = self.params.dtype
         self.size = self.params.size                      # P (local to the tp rank)
         self.decay = np.asarray(self.params.decay_mask())  # [P]
+        tp_mask = np.asarray(tensor_parallel_mask(self))  # [P]: tensor-parallel shards
         self.params = None                                # never the whole buffers again
         self.stage = stage
         self.units, start, shard = {}, 0, 0
@@ -255,6 +257,10 @@ class ShardedDecoder(TensorParallelDecoder):
             raise RuntimeError("internal: the units must tile the parameter buffer")
         self.uses = unit_uses(config)
         self.shard_size = shard                           # Z_d
+        # bool [Z_d]: the shard's elements that belong to a tensor-parallel shard (for the
+        # global gradient norm: their squares add over tp and dp, the others' over dp)
+        self.shard_tp_mask = np.concatenate([self.chunk_of(u, tp_mask)
+                                             for u in self.units.values()])
         self.ledger = Ledger()
         self.shard_grad = np.zeros(shard, dtype=self.dtype)           # [Z_d]
         self.ledger.hold("grads", self.shard_grad, "shard")
@@ -475,11 +481,16 @@ class ShardedDecoder(TensorParallelDecoder):
 
 class ShardedAdamW:
     """AdamW on a ShardedDecoder's shard: m, v [Z_d]; adamw_update on the shard; stage 2 then
-    all-gathers each unit into the whole parameters, stage 3 keeps the shard."""
+    all-gathers each unit into the whole parameters, stage 3 keeps the shard. clip: the
+    max_norm of clipping by the global norm, the shard_grad [Z_d] being sharded over dp
+    (and over tp where the layout shards a tensor); the norm is kept as last_norm."""
 
     def __init__(self, model: ShardedDecoder, lr: float = 1e-3, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                 clip: float | None = None):
         self.model = model
+        self.clip = None if clip is None else checks.positive("clip", clip)
+        self.last_norm = None
         self.hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         units = model.units.values()
         self.mask = np.concatenate([model.chunk_of(u, model.decay) for u in units])  # [Z_d]
@@ -495,6 +506,10 @@ class ShardedAdamW:
     def step(self):
         self.t += 1
         model = self.model
+        if self.clip is not None:
+            pieces = parallel_pieces(model.shard_grad, model.shard_tp_mask, model.tp,
+                                     model.dp)
+            self.last_norm = clip_grad_norm(pieces, self.clip)
         if model.stage == 3:
             adamw_update(model.shard, model.shard_grad, self.m, self.v, self.t,
                          decay_mask=self.mask, **self.hyper)
@@ -510,24 +525,27 @@ class ShardedAdamW:
 
 def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,
                   tp: int = 1, dp: int | None = None, stage: int = 3, seed: int = 0,
-                  hyper=None, gather: bool = True):
+                  hyper=None, gather: bool = True, clip: float | None = None):
     """runner.train_parallel for ZeRO-2/3: the same batches, rows split over dp, the same
-    AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params, times)."""
+    AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params, times,
+    norms). clip: max_norm of clipping by the global norm (as train_single's)."""
     from .runner import HYPER, _dropout, make_batches
 
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if clip is not None:
+        checks.positive("clip", clip)
     hyper = dict(HYPER, **(hyper or {}))
     mesh = Mesh(world, tp, dp)
     if batch % mesh.dp_size:
         raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
     model = ShardedDecoder(config, mesh.tp, mesh.dp, stage)
     model.load_full(DecoderLM(config).init(seed).params)
-    opt = ShardedAdamW(model, **hyper)
+    opt = ShardedAdamW(model, clip=clip, **hyper)
     ids, targets = make_batches(config, steps, batch, seq, seed)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
-    losses, step_calls, times = [], [], []
+    losses, step_calls, times, norms = [], [], [], []
     for t in range(steps):
         start = time.perf_counter()
         model.zero_grad()
@@ -539,13 +557,15 @@ def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int
         losses.append(float(loss))
         model.backward()
         opt.step()
+        if clip is not None:
+            norms.append(opt.last_norm)
         model.ledger.mark("optimizer step")
         step_calls.append(world.traffic.calls[before:])
         times.append(time.perf_counter() - start)
     params = np.array(model.gather_full("data")) if gather else None
     return dict(losses=losses, params=params, step_calls=step_calls, ledger=model.ledger,
                 local_params=model.size, shard_size=model.shard_size,
-                state_bytes=opt.state_bytes(), times=times)
+                state_bytes=opt.state_bytes(), times=times, norms=norms)
 
 
 __all__ = ["ShardedDecoder", "ShardedAdamW", "Ledger", "train_sharded", "unit_names",

@@ -36,9 +36,10 @@ sharded_over, where):
                  and replicated norms side by side)
 
     tensor parallel   a sharded weight: sharded_over=(tp,); a LayerNorm weight: ()
-    ZeRO-1 / ZeRO-2   the owned chunk: add dp to the piece's groups
-    pipeline          every piece of a stage: add the pipeline group
-    ZeRO-3 / FSDP     the owned shard of each parameter: add dp
+    ZeRO-1            the owned chunk: add dp to the piece's groups
+    pipeline          every piece of a stage: add the pipeline group; the last stage's
+                      copy of a tied wte is masked out (the first stage counts it)
+    ZeRO-2 / ZeRO-3   the owned chunk of each unit (the shard [Z_d]): add dp
 
 Every rank must pass pieces with the same list of distinct groupings, in any order (an
 empty array where it holds none): the partial sums are all-reduced one grouping at a
@@ -290,11 +291,18 @@ def tensor_parallel_mask(model):
     return backend.asarray(mask)
 
 
-def parallel_pieces(grad, mask, tp, dp=None) -> list[GradPiece]:
-    """The two pieces of a TP (x DP) rank's gradient buffer or ZeRO-1 chunk: its tensor-
-    parallel shards (sharded over tp, and dp when dp is given: a ZeRO chunk) and its
-    replicated tensors (sharded over dp only, counted once over tp)."""
-    extra = (dp,) if dp is not None else ()
+def parallel_pieces(grad, mask, tp, dp=None, pp=None, counted=None) -> list[GradPiece]:
+    """The two pieces of a TP (x DP, x PP) rank's gradient buffer, ZeRO chunk or shard: its
+    tensor-parallel shards (sharded over tp, and dp when dp is given: a ZeRO chunk or
+    shard, and pp when given: a pipeline stage) and its replicated tensors (sharded over
+    dp and pp only, counted once over tp). counted: optional bool mask, grad's shape, of
+    the elements this rank counts (False for a copy that another rank counts: the last
+    stage's copy of a tied wte)."""
+    extra = tuple(g for g in (dp, pp) if g is not None)
     xp = backend.namespace(grad)
-    return [GradPiece(grad, (tp,) + extra, mask),
-            GradPiece(grad, extra, xp.logical_not(mask))]
+    shards, replicated = mask, xp.logical_not(mask)
+    if counted is not None:
+        checks.shape("counted", counted, tuple(grad.shape))
+        shards = xp.logical_and(shards, counted)
+        replicated = xp.logical_and(replicated, counted)
+    return [GradPiece(grad, (tp,) + extra, shards), GradPiece(grad, extra, replicated)]

@@ -524,13 +524,17 @@ def measure_timeline(records, n_stages: int, n_virtual: int = 1, cost_forward=1,
 def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,
                    pp: int, n_microbatches: int, schedule: str = "1f1b", n_virtual: int = 1,
                    tp: int = 1, dp: int | None = None, seed: int = 0, hyper=None,
-                   gather: bool = True):
+                   gather: bool = True, clip: float | None = None):
     """Rank-local: run on every rank of `world` (SimulatedGroup or MPIComm). The global
     batch [B, S] is split by rows over the dp replicas, each replica's rows into m
     micro-batches of B_m = B / (N_D m) rows. -> dict(losses (every rank), params, grads
     (the full single-device buffers, host; the last step's gradient, summed over dp),
     record, peak_live, peak_bytes, chunk_bytes (of the last step), sent (point-to-point
-    bytes this rank sent in each step's pipeline), coords (dp, pp, tp))."""
+    bytes this rank sent in each step's pipeline), coords (dp, pp, tp), norms).
+
+    clip: max_norm of clipping by the global norm (as train_single's), over the stages
+    (every piece sharded over pp), tp inside them, the tied wte counted once."""
+    from .grads import clip_grad_norm, parallel_pieces, tensor_parallel_mask
     from .runner import HYPER, make_batches
 
     hyper = dict(HYPER, **(hyper or {}))
@@ -539,6 +543,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if seq > config.max_seq_len:
         raise ValueError(f"seq ({seq}) exceeds max_seq_len={config.max_seq_len}")
+    max_norm = None if clip is None else checks.positive("clip", clip)
     check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual, batch,
                           schedule)
     mesh = Mesh(world, tp=tp, dp=dp, pp=pp)
@@ -552,12 +557,19 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     tied = None
     if config.tied_head and p > 1 and r in (0, p - 1):
         tied = mesh.pp.subgroup([0, p - 1], name="embedding")
-    opt = DataParallelAdamW(stage.params, mesh.dp, **hyper)
+    clip_fn = None
+    if max_norm is not None:
+        tp_mask, counted = tensor_parallel_mask(stage), counted_mask(stage)   # [P_local]
+
+        def clip_fn(grad, bounds):          # the stage's whole gradient, reduced over dp
+            return clip_grad_norm(parallel_pieces(grad, tp_mask, mesh.tp, pp=mesh.pp,
+                                                  counted=counted), max_norm)
+    opt = DataParallelAdamW(stage.params, mesh.dp, clip=clip_fn, **hyper)
     ids, targets = make_batches(config, steps, batch, seq, seed)
     rows = batch // mesh.dp_size
     b0 = mesh.dp_rank * rows
     micro = rows // n_microbatches
-    losses, grads, sent, out = [], None, [], None
+    losses, grads, sent, out, norms = [], None, [], None, []
     for t in range(steps):
         stage.params.zero_grad()
         mb_ids = ids[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)   # [m, B_m, S]
@@ -574,6 +586,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
             g = stage.params.grad_of("wte")
             g[...] = xp_reshape(tied.all_reduce(xp_reshape(g, (-1,))), g.shape)
         opt.step()
+        norms.append(opt.last_norm)
         losses.append(out["loss"])
         if gather and t == steps - 1:
             grads = gather_full(stage, mesh, config, "grad")
@@ -589,8 +602,20 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     params = gather_full(stage, mesh, config, "data") if gather else None
     return dict(losses=losses, params=params, grads=grads, record=out["record"],
                 peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],
-                chunk_bytes=out["chunk_bytes"], sent=sent,
+                chunk_bytes=out["chunk_bytes"], sent=sent, norms=norms if clip_fn else [],
                 coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), local_params=stage.params.size)
+
+
+def counted_mask(stage: PipelineStage):
+    """bool [P_local]: the elements of this rank's buffer that the global gradient norm
+    counts: all but the last stage's copy of a tied wte (the first stage counts it; after
+    the all-reduce of the two copies' gradients they are equal)."""
+    params = stage.params
+    mask = np.ones(params.size, dtype=bool)
+    if stage.config.tied_head and stage.n_stages > 1 and stage.stage == stage.n_stages - 1:
+        a, b = params.offsets["wte"]
+        mask[a:b] = False
+    return backend.asarray(mask)
 
 
 def xp_reshape(x, shape):
