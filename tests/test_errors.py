@@ -217,7 +217,7 @@ def test_arrays_of_two_libraries():
     with pytest.raises(
         TypeError,
         match=r"inputs must be arrays of one library, got .*; move "
-               "them with tfcore\.backend\.asarray first",
+               r"them with tfcore\.backend\.asarray first",
     ):
         F.linear_forward(x, _foreign(np.ones((4, 3))))
     with pytest.raises(TypeError, match=r"inputs must be arrays of one library"):
