@@ -195,6 +195,17 @@ class DecoderConfig:
         return cls(**values)
 
 
+def position_tables(config: DecoderConfig):
+    """(sinusoidal table [S_max, D] or None, rotary tables [S_max, D_h/2] or None): what the
+    config's positions need, made once per model (the parallel decoders share it)."""
+    S_max, dt = config.max_seq_len, config.dtype
+    sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)
+                  if config.position == "sinusoidal" else None)
+    rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)
+            if config.position == "rotary" else None)
+    return sinusoidal, rope
+
+
 class KVCache:
     """Keys and values of every layer for positions 0..length-1, for generation.
 
@@ -229,11 +240,7 @@ class DecoderLM:
         self.config = config.validate()
         self.params = nn.Parameters(config.param_shapes(), config.dtype)
         self.spec = config.block_spec()
-        S_max, dt = config.max_seq_len, config.dtype
-        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)    # [S_max, D]
-                            if config.position == "sinusoidal" else None)
-        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)  # [S_max, D_h/2]
-                      if config.position == "rotary" else None)
+        self._sinusoidal, self._rope = position_tables(config)
         self._cache = None
 
     # -- parameters --------------------------------------------------------------------

@@ -44,11 +44,11 @@ from .. import backend, checks, nn
 from .. import functional as F
 from ..backend import namespace
 from ..functional.attention import merge_heads, qkv_merge_grads, qkv_split, split_heads
-from ..functional.rope import rope_backward, rope_forward, rope_tables
+from ..functional.rope import rope_backward, rope_forward
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 from ..models.blocks import (mlp_sublayer_backward, mlp_sublayer_forward, repeat_kv_heads,
                              sum_kv_groups)
-from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
 from .comm import chunk_bounds
 from .optimizer import DataParallelAdamW
 
@@ -407,11 +407,7 @@ class ContextParallelDecoder:
         self.balanced = checks.boolean("balanced", balanced)
         self.spec = config.block_spec()
         self.params = nn.Parameters(config.param_shapes(), config.dtype)
-        S_max, dt = config.max_seq_len, config.dtype
-        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)
-                            if config.position == "sinusoidal" else None)
-        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)
-                      if config.position == "rotary" else None)
+        self._sinusoidal, self._rope = position_tables(config)
         self._cache = None
 
     def load_full(self, full_params: nn.Parameters) -> "ContextParallelDecoder":

@@ -34,8 +34,8 @@ from ..functional.attention import (
     qkv_split,
     split_heads,
 )
-from ..functional.rope import rope_backward, rope_forward, rope_tables
-from ..models.decoder import IGNORE_INDEX, DecoderConfig
+from ..functional.rope import rope_backward, rope_forward
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, position_tables
 from . import layers as L
 
 
@@ -152,11 +152,7 @@ class TensorParallelDecoder:
                                                            tp.rank).shape)
                                      for n, s in full.items()}, config.dtype)
         self.replicated = [n for n in self.params.names if shard_rule(n) == "replicated"]
-        S_max, dt = config.max_seq_len, config.dtype
-        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)
-                            if config.position == "sinusoidal" else None)
-        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)
-                      if config.position == "rotary" else None)
+        self._sinusoidal, self._rope = position_tables(config)
         self._cache = None
 
     # -- parameters --------------------------------------------------------------------

@@ -44,7 +44,7 @@ import numpy as np
 
 from .. import backend, checks, nn
 from .. import functional as F
-from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
 from . import layers as L
 from .mesh import Mesh
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
@@ -274,12 +274,7 @@ class PipelineStage(TensorParallelDecoder):
                                                            tp.size, tp.rank).shape)
                                      for n in names}, config.dtype)
         self.replicated = [n for n in names if shard_rule(n) == "replicated"]
-        S_max, dt = config.max_seq_len, config.dtype
-        self._sinusoidal = (F.sinusoidal_positions(S_max, config.d_model, dt)
-                            if config.position == "sinusoidal" else None)
-        from ..functional.rope import rope_tables
-        self._rope = (rope_tables(S_max, config.head_dim, config.rope_base, dt)
-                      if config.position == "rotary" else None)
+        self._sinusoidal, self._rope = position_tables(config)
         self._cache = None
 
     def virtual_stage(self, chunk: int) -> int:
