@@ -382,18 +382,9 @@ class ShardedDecoder(TensorParallelDecoder):
     def forward(self, ids, targets=None, training: bool = False, rng=None, batch_rows=None):
         """As TensorParallelDecoder.forward (same arguments, same results), one unit at a
         time."""
-        checks.ndim("ids", ids, 2)
         cfg, tp = self.config, self.tp
-        B, S = ids.shape
-        if S > cfg.max_seq_len:
-            raise ValueError(f"sequence of length {S} exceeds max_seq_len={cfg.max_seq_len}")
-        if training and cfg.dropout > 0 and rng is None:
-            raise ValueError("training with dropout > 0 needs rng (seeded alike on every rank)")
-        rows = batch_rows or (0, B, B)
-        ctx = dict(training=training, rope=None,
-                   draw=lambda kind: self._draws(rng, kind, rows, S))
-        if self._rope is not None:
-            ctx["rope"] = (self._rope[0][:S, :], self._rope[1][:S, :])
+        ctx = self._forward_context(ids, training, rng, batch_rows)
+        S = ids.shape[1]
         self.ledger.mark("forward")
 
         def embed():
@@ -447,16 +438,7 @@ class ShardedDecoder(TensorParallelDecoder):
         dlogits = L.vocab_parallel_cross_entropy_backward(1.0, c_loss)   # [B, S, V_r]
 
         def head(cache):
-            p = self.params
-            c_lnf, c_head = cache
-            dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)
-            nn.accumulate(p, "wte" if cfg.tied_head else "head.W",
-                          dW.T if cfg.tied_head else dW)
-            if db is not None:
-                nn.accumulate(p, "head.b", db)
-            if c_lnf is not None:
-                dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
-            return dx
+            return self._head_backward(dlogits, *cache)
 
         dx = self._run_backward(self._head_units(), head, c_final)
         for i in reversed(range(cfg.n_layers)):

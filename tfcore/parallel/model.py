@@ -308,6 +308,39 @@ class TensorParallelDecoder:
         ds1 = nn.norm_backward(p, prefix + ".ln1", dx1, c_ln1, kind)
         return ds1 + self._attention_backward(prefix + ".attn", ds1, c_attn)
 
+    # -- what forward and backward share with the ZeRO-3 and pipeline subclasses -------------
+    def _forward_context(self, ids, training, rng, batch_rows):
+        """Check ids [B, S] and the dropout settings; the settings every sub-block reads:
+        training, the dropout draws of this rank's rows, the rotary tables cut to S."""
+        checks.ndim("ids", ids, 2)
+        B, S = ids.shape
+        if S > self.config.max_seq_len:
+            raise ValueError(f"sequence of length {S} exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
+        if training and self.config.dropout > 0 and rng is None:
+            raise ValueError("training with dropout > 0 needs rng (seeded alike on every rank)")
+        rows = batch_rows or (0, B, B)
+        return dict(training=training, draw=lambda kind: self._draws(rng, kind, rows, S),
+                    rope=self.rope_for(S))
+
+    def rope_for(self, S: int):
+        """The rotary tables of positions 0..S-1 (cos, sin), or None without rotary."""
+        if self._rope is None:
+            return None
+        return self._rope[0][:S, :], self._rope[1][:S, :]
+
+    def _head_backward(self, dlogits, c_lnf, c_head):
+        """dlogits [B, S, V_r] -> dx [B, S_loc, D]; the head's (or tied wte's) and the final
+        norm's gradients added into params.grad."""
+        cfg, p = self.config, self.params
+        dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)  # dx [B, S_loc, D]
+        nn.accumulate(p, "wte" if cfg.tied_head else "head.W", dW.T if cfg.tied_head else dW)
+        if db is not None:
+            nn.accumulate(p, "head.b", db)
+        if c_lnf is not None:
+            dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+        return dx
+
     # -- the model ---------------------------------------------------------------------------
     def forward(self, ids, targets=None, training: bool = False, rng=None, batch_rows=None):
         """ids [B, S] (the same on every tensor-parallel rank) -> (logits [B, S, V_r] of this
@@ -317,19 +350,10 @@ class TensorParallelDecoder:
         global tensor and keeps this rank's block); batch_rows = (start, stop, B_global),
         the rows of the global batch this rank holds (default: all of them).
         """
-        checks.ndim("ids", ids, 2)
         cfg, p, tp = self.config, self.params, self.tp
-        B, S = ids.shape
+        ctx = self._forward_context(ids, training, rng, batch_rows)
+        S = ids.shape[1]
         check_layout(cfg, tp.size, S, self.sp)
-        if S > cfg.max_seq_len:
-            raise ValueError(f"sequence of length {S} exceeds max_seq_len={cfg.max_seq_len}")
-        if training and cfg.dropout > 0 and rng is None:
-            raise ValueError("training with dropout > 0 needs rng (seeded alike on every rank)")
-        rows = batch_rows or (0, B, B)
-        ctx = dict(training=training, rope=None,
-                   draw=lambda kind: self._draws(rng, kind, rows, S))
-        if self._rope is not None:
-            ctx["rope"] = (self._rope[0][:S, :], self._rope[1][:S, :])
         s0, s1 = self._seq_block(S)
         x, c_emb = L.vocab_parallel_embedding_forward(ids, p["wte"], self.vocab[0], tp,
                                                       self.sp)            # [B, S_loc, D]
@@ -379,12 +403,7 @@ class TensorParallelDecoder:
         self._cache = None
         cfg, p = self.config, self.params
         dlogits = L.vocab_parallel_cross_entropy_backward(dloss, c_loss)  # [B, S, V_r]
-        dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)  # dx [B, S_loc, D]
-        nn.accumulate(p, "wte" if cfg.tied_head else "head.W", dW.T if cfg.tied_head else dW)
-        if db is not None:
-            nn.accumulate(p, "head.b", db)
-        if c_lnf is not None:
-            dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+        dx = self._head_backward(dlogits, c_lnf, c_head)                  # [B, S_loc, D]
         done("head")
         for i in reversed(range(cfg.n_layers)):
             dx = self._block_backward(f"h{i}", dx, c_blocks[i])

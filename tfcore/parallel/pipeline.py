@@ -289,9 +289,7 @@ class PipelineStage(TensorParallelDecoder):
     def chunk_forward(self, chunk: int, inputs, targets=None):
         cfg, p, tp = self.config, self.params, self.tp
         S = inputs.shape[1]
-        ctx = dict(training=False, draw=lambda kind: None, rope=None)
-        if self._rope is not None:
-            ctx["rope"] = (self._rope[0][:S, :], self._rope[1][:S, :])
+        ctx = dict(training=False, draw=lambda kind: None, rope=self.rope_for(S))
         c_emb = c_pos = c_lnf = c_head = c_loss = None
         x = inputs
         if self.is_first(chunk):
@@ -321,20 +319,14 @@ class PipelineStage(TensorParallelDecoder):
 
     def chunk_backward(self, chunk: int, G, cache, scale: float = 1.0):
         """scale (last stage): d(step loss)/d(this micro-batch's mean loss) = T_c,mb / T_c."""
-        cfg, p = self.config, self.params
+        p = self.params
         c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like = cache
         if self.is_last(chunk):
             if G is not None:
                 raise ValueError("G must be None on the last virtual stage: the loss starts "
                                  "its backward")
             dlogits = L.vocab_parallel_cross_entropy_backward(scale, c_loss)  # [B_m, S, V_r]
-            dx, dW, db = L.column_parallel_linear_backward(dlogits, c_head)   # [B_m, S, D]
-            nn.accumulate(p, "wte" if cfg.tied_head else "head.W",
-                          dW.T if cfg.tied_head else dW)
-            if db is not None:
-                nn.accumulate(p, "head.b", db)
-            if c_lnf is not None:
-                dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
+            dx = self._head_backward(dlogits, c_lnf, c_head)                 # [B_m, S, D]
         else:
             checks.upstream("G", G, *out_like)
             dx = G
