@@ -128,6 +128,14 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     return ap
 
 
+def _refuse_combinations(flag: str, rules) -> None:
+    """rules: (bad, what, why) triples; the first bad one is refused as `flag` with `what`."""
+    for bad, what, why in rules:
+        if bad:
+            raise UsageError(f"{flag} cannot be combined with {what}: {why}; leave "
+                             f"{what.split()[0]} out")
+
+
 def parse(argv, quiet: bool = False) -> argparse.Namespace:
     """The arguments, checked: UsageError names the first bad one."""
     args = _parser(quiet).parse_args(argv)
@@ -183,7 +191,7 @@ def check_combination(args) -> None:
     if args.pp is not None and args.cp is not None:
         raise UsageError("--pp and --cp cannot be combined: give one of them")
     if args.cp is not None:
-        for bad, what, why in (
+        _refuse_combinations("--cp", (
                 (args.tp != 1, f"--tp {args.tp}", "the ring splits the sequence, not the "
                  "weights"),
                 (args.dp not in (None, 1), f"--dp {args.dp}", "every rank holds a piece of "
@@ -197,22 +205,16 @@ def check_combination(args) -> None:
                  "the ring runs each step's batch at once"),
                 (args.clip is not None, f"--clip {args.clip}", "the ring does not clip"),
                 (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
-                 "the ring all-reduces the gradient after the backward")):
-            if bad:
-                raise UsageError(f"--cp cannot be combined with {what}: {why}; leave "
-                                 f"{what.split()[0]} out")
+                 "the ring all-reduces the gradient after the backward")))
     if args.pp is not None:
-        for bad, what, why in (
+        _refuse_combinations("--pp", (
                 (args.sp, "--sp", "the stages run without sequence parallelism"),
                 (args.zero != 0, f"--zero {args.zero}", "the stages' optimizer is plain "
                  "data parallel (ZeRO 0)"),
                 (args.dropout != 0, f"--dropout {args.dropout}", "the stages would draw the "
                  "dropout masks in another order than one device"),
                 (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
-                 "the stages all-reduce the gradient after the pipeline")):
-            if bad:
-                raise UsageError(f"--pp cannot be combined with {what}: {why}; leave "
-                                 f"{what.split()[0]} out")
+                 "the stages all-reduce the gradient after the pipeline")))
         virtual = args.virtual or 1
         if virtual > 1 and args.schedule != "interleaved":
             raise UsageError(f"--virtual {virtual} needs --schedule interleaved (gpipe and "
