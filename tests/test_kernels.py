@@ -603,3 +603,46 @@ def test_fused_tanh_gelu_is_the_reference_to_the_last_bit(rng, monkeypatch, dtyp
     for fast, slow, ref in zip(results[True], results[False], reference):
         assert np.array_equal(fast, ref, equal_nan=True)
         assert np.array_equal(slow, ref, equal_nan=True)
+
+
+class _ChecksOnly:
+    """Stands in for tfcore.kernels in the model helpers only: their unchecked shortcuts
+    never apply, so every op goes through the public, checked function (which still
+    dispatches to the real kernels)."""
+
+    @staticmethod
+    def applies(*arrays, contiguous=True):
+        return False
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("attention, norm, mlp", [("tiled", "layernorm", "gelu"),
+                                                  ("dense", "rmsnorm", "relu"),
+                                                  ("tiled", "layernorm", "swiglu")])
+def test_the_model_shortcuts_give_the_checked_ops_results_bit_for_bit(
+        rng, monkeypatch, dtype, attention, norm, mlp):
+    """The decoder's hot path (nn's layer helpers and the block's element-wise steps) skips
+    the public ops' argument checks where the kernels take the arrays: loss, logits and
+    every gradient must be the very numbers of the checked path."""
+    from tfcore import nn
+    from tfcore.models import blocks
+    from tfcore.models.decoder import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=37, max_seq_len=24, d_model=32, n_layers=2, n_heads=4,
+                        d_ff=64, dtype=dtype, attention=attention, norm=norm, mlp=mlp)
+    ids = rng.integers(0, 37, size=(3, 24))
+    targets = rng.integers(0, 37, size=(3, 24))
+
+    def run():
+        model = DecoderLM(cfg).init(seed=3)
+        logits, loss = model.forward(asarray(ids), asarray(targets), training=True)
+        model.backward()
+        return to_numpy(logits), float(loss), to_numpy(model.params.grad).copy()
+
+    fast = run()
+    monkeypatch.setattr(nn, "kernels", _ChecksOnly)
+    monkeypatch.setattr(blocks, "kernels", _ChecksOnly)
+    checked = run()
+    assert np.array_equal(fast[0], checked[0])
+    assert fast[1] == checked[1]
+    assert np.array_equal(fast[2], checked[2])

@@ -25,7 +25,7 @@ import copy
 from dataclasses import dataclass
 
 from .. import functional as F
-from .. import nn
+from .. import kernels, nn
 from ..backend import namespace
 from ..functional.activations import swiglu_backward, swiglu_forward
 from ..functional.attention import (
@@ -91,6 +91,43 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
         linear("mlp.gate", D, F_)
     linear("mlp.proj", F_, D)
     return shapes
+
+
+# ---------------------------------------------------------------------------------------
+# The block's element-wise steps on its own arrays. Where the fused kernels take the arrays,
+# these skip the public ops' argument checks (the block made the arrays, so shapes and dtypes
+# agree by construction) and compute exactly what the op computes; otherwise they call it.
+
+
+def _add(x, fx):
+    """x + fx [...]: residual_forward's sum."""
+    if kernels.applies(x, fx, contiguous=False) and x.shape == fx.shape:
+        return x + fx
+    return F.residual_forward(x, fx)[0]
+
+
+def _split_grad(dy):
+    """residual_backward(dy): the sum hands dy to the skip and to the branch alike."""
+    if kernels.applies(dy, contiguous=False):
+        return dy, dy
+    return F.residual_backward(dy)
+
+
+def _dropout_forward(x, p, rng, training):
+    """dropout_forward(x, p, rng, training); at p == 0 or in evaluation the identity, with
+    the op's cache (no mask), without the checks."""
+    if (p == 0.0 or training is False) and kernels.applies(x, contiguous=False):
+        return x, (None, 1.0, (x.shape, x.dtype, namespace(x)))
+    return F.dropout_forward(x, p, rng, training)
+
+
+def _dropout_backward(dy, cache):
+    """dropout_backward(dy, cache): the identity when the forward drew no mask."""
+    keep, _, (shape, dtype, _) = cache
+    if keep is None and kernels.applies(dy, contiguous=False) and dy.shape == shape \
+            and dy.dtype == dtype:
+        return dy
+    return F.dropout_backward(dy, cache)
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,14 +221,14 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         c_att = ("recompute", q, k, v, replay, training)
     merged = merge_heads(a)                                             # [B, S, D]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
-    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
+    out, c_drop = _dropout_forward(out, spec.dropout, rng, training)    # [B, S, D]
     return out, (c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
 
 
 def attention_sublayer_backward(params, prefix, dout, cache, spec):
     """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv, d b_qkv, d W_proj, d b_proj."""
     c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
-    dout = F.dropout_backward(dout, c_drop)                             # [B, S, D]
+    dout = _dropout_backward(dout, c_drop)                             # [B, S, D]
     dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
     if spec.recompute_attention:        # the same call on the same inputs and draws: same A
@@ -225,19 +262,23 @@ def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
         hidden, c_act = swiglu_forward(gate, up)                        # silu(gate) * up [B, S, F]
     elif spec.mlp == "gelu":
         c_gate = None
-        hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)       # [B, S, F]
+        if kernels.applies(up) and spec.gelu_approximate in ("none", "tanh"):
+            hidden, c_act = kernels.gelu_forward(up, spec.gelu_approximate), (
+                up, spec.gelu_approximate)                              # [B, S, F]
+        else:
+            hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)   # [B, S, F]
     else:
         c_gate = None
         hidden, c_act = F.relu_forward(up)                              # [B, S, F]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", hidden)   # [B, S, D]
-    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)
+    out, c_drop = _dropout_forward(out, spec.dropout, rng, training)
     return out, (c_fc, c_gate, c_act, c_proj, c_drop)
 
 
 def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     """dout [B, S, D] -> dx [B, S, D]; adds the gradients of fc, (gate,) proj."""
     c_fc, c_gate, c_act, c_proj, c_drop = cache
-    dout = F.dropout_backward(dout, c_drop)
+    dout = _dropout_backward(dout, c_drop)
     dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, F]
     if spec.mlp == "swiglu":
         dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
@@ -245,7 +286,10 @@ def mlp_sublayer_backward(params, prefix, dout, cache, spec):
         dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
         return dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc)
     if spec.mlp == "gelu":
-        dup = F.gelu_backward(dhidden, c_act, out=dhidden)              # in place: a temporary
+        if kernels.applies(dhidden, c_act[0]) and dhidden.shape == c_act[0].shape:
+            dup = kernels.gelu_backward(dhidden, c_act[0], c_act[1], out=dhidden)
+        else:
+            dup = F.gelu_backward(dhidden, c_act, out=dhidden)          # in place: a temporary
     else:
         dup = F.relu_backward(dhidden, c_act)
     del dhidden                                 # [B, S, F]: not needed by the last product
@@ -263,18 +307,18 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
     if spec.placement == "pre":
         h, c_ln1 = nn.norm_forward(params, prefix + ".ln1", x, spec.norm, spec.eps)
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
-        x1 = F.residual_forward(x, a)[0] if spec.residual else a        # x + attn(norm1(x))
+        x1 = _add(x, a) if spec.residual else a                 # x + attn(norm1(x))
         h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
         m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", h, spec, rng=rng,
                                         training=training)
-        y = F.residual_forward(x1, m)[0] if spec.residual else m        # x1 + mlp(norm2(x1))
+        y = _add(x1, m) if spec.residual else m                # x1 + mlp(norm2(x1))
     else:
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
-        s1 = F.residual_forward(x, a)[0] if spec.residual else a        # x + attn(x)
+        s1 = _add(x, a) if spec.residual else a                 # x + attn(x)
         x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
         m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", x1, spec, rng=rng,
                                         training=training)
-        s2 = F.residual_forward(x1, m)[0] if spec.residual else m       # x1 + mlp(x1)
+        s2 = _add(x1, m) if spec.residual else m                # x1 + mlp(x1)
         y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
     return y, (c_ln1, c_attn, c_ln2, c_mlp)
 
@@ -290,17 +334,17 @@ def block_backward(params, prefix, dy, cache, spec):
     if not spec.residual:
         return _block_backward_without_skips(params, prefix, dy, cache, spec)
     if spec.placement == "pre":
-        dx1, dm = F.residual_backward(dy)                               # y = x1 + m
+        dx1, dm = _split_grad(dy)                                     # y = x1 + m
         dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
         dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
-        dx, da = F.residual_backward(dx1)                               # x1 = x + a
+        dx, da = _split_grad(dx1)                                    # x1 = x + a
         dh = attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
         return dx + nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
     ds2 = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)     # y = norm2(s2)
-    dx1, dm = F.residual_backward(ds2)                                  # s2 = x1 + m
+    dx1, dm = _split_grad(ds2)                                    # s2 = x1 + m
     dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
     ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)    # x1 = norm1(s1)
-    dx, da = F.residual_backward(ds1)                                   # s1 = x + a
+    dx, da = _split_grad(ds1)                                    # s1 = x + a
     return dx + attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
 
 
