@@ -22,7 +22,10 @@ Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b`` ``attn.qk
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from .. import functional as F
 from .. import kernels, nn
@@ -184,6 +187,33 @@ def core_attention_forward(q, k, v, spec, rng=None, training=False):
                              training=training)
 
 
+def _tiled_kernel_forward(qkv, spec):
+    """qkv [B, S, 3D] -> (a [B, H, S, D_h], cache): tiled_attention_forward's kernel call,
+    without dropout, masks or rotary. q, k and v are made C-contiguous once, as one
+    [3, B, H, S, D_h] copy of qkv that the cache keeps in qkv's place (the same bytes): the
+    kernel reads them as they lie in the forward and again in the backward."""
+    batch, seq, width3 = qkv.shape
+    heads = spec.n_heads
+    d_h = width3 // 3 // heads
+    qkv_heads = np.ascontiguousarray(
+        qkv.reshape(batch, seq, 3, heads, d_h).transpose(2, 0, 3, 1, 4))  # [3, B, H, S, D_h]
+    q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
+    scale = 1.0 / math.sqrt(d_h)
+    causal = bool(spec.causal)
+    out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
+    settings = dict(causal=causal, scale=scale, block_size=spec.attention_block_size,
+                    mask=None, key_padding=None, dropout_p=0.0, seed=None)
+    return out, (q, k, v, out, lse, settings)
+
+
+def _tiled_kernel_takes(da, c_att) -> bool:
+    """tiled_attention_backward would hand (da, c_att) to its kernel: no mask, no dropout."""
+    settings = c_att[5]
+    return (settings["mask"] is None and settings["key_padding"] is None
+            and settings["seed"] is None and kernels.applies(da, *c_att[:5], contiguous=False)
+            and da.shape == c_att[3].shape)
+
+
 # ---------------------------------------------------------------------------------------
 # Attention sublayer: qkv = x W_qkv + b; q, k, v = split; (rotary on q, k); a = attention;
 # out = dropout(merge(a) W_proj + b)
@@ -199,6 +229,13 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
     """
     qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, 3D]
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
+    if (spec.attention == "tiled" and groups == 1 and rope is None and kv is None
+            and not spec.recompute_attention and (spec.dropout == 0.0 or training is False)
+            and kernels.applies(qkv)):
+        a, c_att = _tiled_kernel_forward(qkv, spec)                     # [B, H, S, D_h]
+        out, c_proj = nn.linear_forward(params, prefix + ".proj", merge_heads(a))
+        out, c_drop = _dropout_forward(out, spec.dropout, rng, training)  # [B, S, D]
+        return out, (c_qkv, None, None, c_att, c_proj, c_drop)
     if groups == 1:
         q, k, v = qkv_split(qkv, spec.n_heads)                          # [B, H, S, D_h] each
     else:
@@ -234,8 +271,15 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
     if spec.recompute_attention:        # the same call on the same inputs and draws: same A
         _, q, k, v, replay, training = c_att
         _, c_att = core_attention_forward(q, k, v, spec, replay, training)
-    backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
-    dq, dk, dv = backward(da, c_att)                                    # [B, H, S, D_h] each
+    if spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
+        q, k, v, out, lse = (np.ascontiguousarray(t) for t in c_att[:5])   # no copy: q, k, v
+        settings = c_att[5]                                             # made contiguous above
+        dq, dk, dv = kernels.tiled_attention_backward(np.ascontiguousarray(da), q, k, v, out,
+                                                      lse, settings["causal"],
+                                                      settings["scale"])
+    else:
+        backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
+        dq, dk, dv = backward(da, c_att)                                # [B, H, S, D_h] each
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
     dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)       # [B, H_kv, S, D_h]
     if c_rope_q is not None:
