@@ -265,8 +265,10 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
 def attention_sublayer_backward(params, prefix, dout, cache, spec):
     """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv, d b_qkv, d W_proj, d b_proj."""
     c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
+    del cache                       # as in the MLP: each part is freed when last used
     dout = _dropout_backward(dout, c_drop)                             # [B, S, D]
     dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
+    del dout, c_proj                # the merged heads [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
     if spec.recompute_attention:        # the same call on the same inputs and draws: same A
         _, q, k, v, replay, training = c_att
@@ -277,9 +279,11 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
         dq, dk, dv = kernels.tiled_attention_backward(np.ascontiguousarray(da), q, k, v, out,
                                                       lse, settings["causal"],
                                                       settings["scale"])
+        del q, k, v, out, lse
     else:
         backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
         dq, dk, dv = backward(da, c_att)                                # [B, H, S, D_h] each
+    c_att = da = dmerged = None                 # q, k, v, out [B, H, S, D_h]: freed here
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
     dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)       # [B, H_kv, S, D_h]
     if c_rope_q is not None:
@@ -322,8 +326,10 @@ def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
 def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     """dout [B, S, D] -> dx [B, S, D]; adds the gradients of fc, (gate,) proj."""
     c_fc, c_gate, c_act, c_proj, c_drop = cache
-    dout = _dropout_backward(dout, c_drop)
+    del cache                       # the caller handed the cache over: each part is freed
+    dout = _dropout_backward(dout, c_drop)                              # when last used
     dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, F]
+    del dout, c_proj                # the hidden activation [B, S, F]: no longer needed
     if spec.mlp == "swiglu":
         dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
         del dhidden
@@ -367,29 +373,40 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
     return y, (c_ln1, c_attn, c_ln2, c_mlp)
 
 
+def take(caches: list, index: int):
+    """caches[index], leaving None in its place: handed on as an argument, the value is then
+    held by the callee alone, which frees it as soon as it is done with it."""
+    value, caches[index] = caches[index], None
+    return value
+
+
 def block_backward(params, prefix, dy, cache, spec):
     """dy [B, S, D] -> dx [B, S, D]: the forward's op pairs in reverse order.
 
     The residual sum hands its gradient to both the skip and the branch unchanged, so each
     skip gradient is added to the branch's result (out of place: residual_backward returns
-    one array for both).
+    one array for both). Each sublayer's cache is handed over with `take`, so that it is
+    freed as soon as that sublayer's backward returns (the MLP's [B, S, F] tensors before
+    the attention's backward runs); the caller hands `cache` over the same way.
     """
-    c_ln1, c_attn, c_ln2, c_mlp = cache
     if not spec.residual:
         return _block_backward_without_skips(params, prefix, dy, cache, spec)
+    caches = list(cache)                              # c_ln1, c_attn, c_ln2, c_mlp
+    del cache
     if spec.placement == "pre":
         dx1, dm = _split_grad(dy)                                     # y = x1 + m
-        dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
-        dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
-        dx, da = _split_grad(dx1)                                    # x1 = x + a
-        dh = attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
-        return dx + nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
-    ds2 = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)     # y = norm2(s2)
-    dx1, dm = _split_grad(ds2)                                    # s2 = x1 + m
-    dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
-    ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)    # x1 = norm1(s1)
-    dx, da = _split_grad(ds1)                                    # s1 = x + a
-    return dx + attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
+        dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
+        dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2), spec.norm)
+        del dh
+        dx, da = _split_grad(dx1)                                     # x1 = x + a
+        dh = attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
+        return dx + nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0), spec.norm)
+    ds2 = nn.norm_backward(params, prefix + ".ln2", dy, take(caches, 2), spec.norm)  # norm2(s2)
+    dx1, dm = _split_grad(ds2)                                        # s2 = x1 + m
+    dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
+    ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, take(caches, 0), spec.norm)  # norm1(s1)
+    dx, da = _split_grad(ds1)                                         # s1 = x + a
+    return dx + attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
 
 
 def _block_backward_without_skips(params, prefix, dy, cache, spec):
