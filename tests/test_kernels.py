@@ -646,3 +646,30 @@ def test_the_model_shortcuts_give_the_checked_ops_results_bit_for_bit(
     assert np.array_equal(fast[0], checked[0])
     assert fast[1] == checked[1]
     assert np.array_equal(fast[2], checked[2])
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_the_backward_frees_the_mlp_cache_before_the_attention_runs(monkeypatch, placement):
+    """Memory: each block hands its sublayers' caches over, so the MLP's hidden activation
+    [B, S, F] of a layer is freed before that layer's attention backward starts."""
+    import weakref
+
+    from tfcore.models import blocks
+    from tfcore.models.decoder import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=29, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                        attention="tiled", norm_placement=placement)
+    model = DecoderLM(cfg).init(seed=0)
+    ids = np.arange(32).reshape(2, 16) % 29
+    model.forward(asarray(ids), asarray(ids))
+    hidden = [weakref.ref(c[3][3][0]) for c in model._cache[1]]   # mlp.proj's input [B, S, F]
+    seen = []
+    attention_backward = blocks.attention_sublayer_backward
+
+    def watched(params, prefix, dout, cache, spec):
+        seen.append(hidden[int(prefix[1:].split(".")[0])]() is None)
+        return attention_backward(params, prefix, dout, cache, spec)
+
+    monkeypatch.setattr(blocks, "attention_sublayer_backward", watched)
+    model.backward()
+    assert seen == [True, True]
