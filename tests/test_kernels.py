@@ -673,3 +673,23 @@ def test_the_backward_frees_the_mlp_cache_before_the_attention_runs(monkeypatch,
     monkeypatch.setattr(blocks, "attention_sublayer_backward", watched)
     model.backward()
     assert seen == [True, True]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_optimizer_finiteness_check_without_a_temporary(bad, dtype):
+    """AdamW's check of the gradient (max and min, no [P] boolean array) refuses every nan
+    or inf wherever it lies, and takes any finite gradient, however large."""
+    from tfcore import nn
+
+    params = nn.Parameters({"w": (5, 7)}, dtype)
+    opt = optim.AdamW(params, skip_nonfinite=True)
+    params.grad[...] = np.finfo(dtype).max
+    params.grad[3] = -np.finfo(dtype).max
+    opt.step()
+    assert opt.skipped == 0 and opt.t == 1
+    for where in (0, 17, 34):
+        params.grad[...] = 1.0
+        params.grad[where] = bad
+        opt.step()
+    assert opt.skipped == 3 and opt.t == 1
