@@ -233,7 +233,9 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
             and not spec.recompute_attention and (spec.dropout == 0.0 or training is False)
             and kernels.applies(qkv)):
         a, c_att = _tiled_kernel_forward(qkv, spec)                     # [B, H, S, D_h]
-        out, c_proj = nn.linear_forward(params, prefix + ".proj", merge_heads(a))
+        batch, heads, seq, d_h = a.shape                    # merge_heads(a), unchecked:
+        merged = a.transpose(0, 2, 1, 3).reshape(batch, seq, heads * d_h)  # [B, S, D]
+        out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)
         out, c_drop = _dropout_forward(out, spec.dropout, rng, training)  # [B, S, D]
         return out, (c_qkv, None, None, c_att, c_proj, c_drop)
     if groups == 1:
@@ -290,7 +292,11 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)
     if groups == 1:
-        dqkv = qkv_merge_grads(dq, dk, dv)                              # [B, S, 3D]
+        dqkv = None
+        if kernels.applies(dq, dk, dv, contiguous=False):   # the tiled kernel's three views
+            dqkv = kernels.fused_qkv_grads(dq, dk, dv)      # of one buffer: no copy, no check
+        if dqkv is None:
+            dqkv = qkv_merge_grads(dq, dk, dv)                          # [B, S, 3D]
     else:                                                               # [B, S, D + 2 H_kv D_h]
         dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
                                     axis=-1)
