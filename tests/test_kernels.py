@@ -603,3 +603,93 @@ def test_fused_tanh_gelu_is_the_reference_to_the_last_bit(rng, monkeypatch, dtyp
     for fast, slow, ref in zip(results[True], results[False], reference):
         assert np.array_equal(fast, ref, equal_nan=True)
         assert np.array_equal(slow, ref, equal_nan=True)
+
+
+class _ChecksOnly:
+    """Stands in for tfcore.kernels in the model helpers only: their unchecked shortcuts
+    never apply, so every op goes through the public, checked function (which still
+    dispatches to the real kernels)."""
+
+    @staticmethod
+    def applies(*arrays, contiguous=True):
+        return False
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("attention, norm, mlp", [("tiled", "layernorm", "gelu"),
+                                                  ("dense", "rmsnorm", "relu"),
+                                                  ("tiled", "layernorm", "swiglu")])
+def test_the_model_shortcuts_give_the_checked_ops_results_bit_for_bit(
+        rng, monkeypatch, dtype, attention, norm, mlp):
+    """The decoder's hot path (nn's layer helpers and the block's element-wise steps) skips
+    the public ops' argument checks where the kernels take the arrays: loss, logits and
+    every gradient must be the very numbers of the checked path."""
+    from tfcore import nn
+    from tfcore.models import blocks
+    from tfcore.models.decoder import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=37, max_seq_len=24, d_model=32, n_layers=2, n_heads=4,
+                        d_ff=64, dtype=dtype, attention=attention, norm=norm, mlp=mlp)
+    ids = rng.integers(0, 37, size=(3, 24))
+    targets = rng.integers(0, 37, size=(3, 24))
+
+    def run():
+        model = DecoderLM(cfg).init(seed=3)
+        logits, loss = model.forward(asarray(ids), asarray(targets), training=True)
+        model.backward()
+        return to_numpy(logits), float(loss), to_numpy(model.params.grad).copy()
+
+    fast = run()
+    monkeypatch.setattr(nn, "kernels", _ChecksOnly)
+    monkeypatch.setattr(blocks, "kernels", _ChecksOnly)
+    checked = run()
+    assert np.array_equal(fast[0], checked[0])
+    assert fast[1] == checked[1]
+    assert np.array_equal(fast[2], checked[2])
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_the_backward_frees_the_mlp_cache_before_the_attention_runs(monkeypatch, placement):
+    """Memory: each block hands its sublayers' caches over, so the MLP's hidden activation
+    [B, S, F] of a layer is freed before that layer's attention backward starts."""
+    import weakref
+
+    from tfcore.models import blocks
+    from tfcore.models.decoder import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=29, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                        attention="tiled", norm_placement=placement)
+    model = DecoderLM(cfg).init(seed=0)
+    ids = np.arange(32).reshape(2, 16) % 29
+    model.forward(asarray(ids), asarray(ids))
+    hidden = [weakref.ref(c[3][3][0]) for c in model._cache[1]]   # mlp.proj's input [B, S, F]
+    seen = []
+    attention_backward = blocks.attention_sublayer_backward
+
+    def watched(params, prefix, dout, cache, spec):
+        seen.append(hidden[int(prefix[1:].split(".")[0])]() is None)
+        return attention_backward(params, prefix, dout, cache, spec)
+
+    monkeypatch.setattr(blocks, "attention_sublayer_backward", watched)
+    model.backward()
+    assert seen == [True, True]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_optimizer_finiteness_check_without_a_temporary(bad, dtype):
+    """AdamW's check of the gradient (max and min, no [P] boolean array) refuses every nan
+    or inf wherever it lies, and takes any finite gradient, however large."""
+    from tfcore import nn
+
+    params = nn.Parameters({"w": (5, 7)}, dtype)
+    opt = optim.AdamW(params, skip_nonfinite=True)
+    params.grad[...] = np.finfo(dtype).max
+    params.grad[3] = -np.finfo(dtype).max
+    opt.step()
+    assert opt.skipped == 0 and opt.t == 1
+    for where in (0, 17, 34):
+        params.grad[...] = 1.0
+        params.grad[where] = bad
+        opt.step()
+    assert opt.skipped == 3 and opt.t == 1

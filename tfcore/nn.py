@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from . import backend
+from . import backend, kernels
 from . import functional as F
 from .backend import FLOAT_DTYPES
 
@@ -205,21 +205,37 @@ def accumulate(params: Parameters, name: str, grad) -> None:
     view += grad
 
 
+# The helpers below run inside a model, on arrays the model made itself (shapes, dtypes and
+# library agree by construction). Where the fused kernels take the arrays they call them
+# directly, skipping the public op's argument checks (a few microseconds each, hundreds of
+# times a step); anything else goes through the checked op. The results are the same arrays.
+
 def linear_forward(params: Parameters, name: str, x):
     """y = x @ W + b with W = params[name.W] [D_in, D_out] and b = params[name.b] if present.
 
     x [..., D_in]  ->  y [..., D_out] (one GEMM over the flattened leading axes)
     """
-    bias = params[name + ".b"] if name + ".b" in params else None
+    W = params._values[name + ".W"]
+    bias = params._values.get(name + ".b")
+    if kernels.applies(x, W, bias, contiguous=False) and x.shape[-1] == W.shape[0]:
+        return kernels.linear_forward(x, W, bias), (x, W, bias is not None)
     return F.linear_forward(x, params[name + ".W"], bias)
 
 
 def linear_backward(params: Parameters, name: str, dy, cache):
     """Adds dW (and db) into the gradient views; returns dx [..., D_in]."""
-    dx, dW, db = F.linear_backward(dy, cache)
-    accumulate(params, name + ".W", dW)
+    x, W, has_bias = cache
+    if (kernels.applies(dy, x, W, contiguous=False)
+            and dy.shape == x.shape[:-1] + (W.shape[1],)):
+        dx, dW, db = kernels.linear_backward(dy, x, W, has_bias)
+    else:
+        dx, dW, db = F.linear_backward(dy, cache)
+    grads = params._grads
+    view = grads[name + ".W"]
+    view += dW
     if db is not None:
-        accumulate(params, name + ".b", db)
+        view = grads[name + ".b"]
+        view += db
     return dx
 
 
@@ -228,19 +244,36 @@ NORMS = ("layernorm", "rmsnorm")
 
 def norm_forward(params: Parameters, name: str, x, kind: str, eps: float):
     """LayerNorm (gain name.g, shift name.b) or RMSNorm (gain name.g) over the last axis of x."""
+    values = params._values
     if kind == "layernorm":
-        return F.layernorm_forward(x, params[name + ".g"], params[name + ".b"], eps)
+        gain, shift = values[name + ".g"], values[name + ".b"]
+        if (kernels.applies(x, gain, shift) and eps > 0 and x.ndim >= 1
+                and x.shape[-1] == gain.shape[0] > 0
+                and (done := kernels.layernorm_forward(x, gain, shift, eps))):
+            return done
+        return F.layernorm_forward(x, gain, shift, eps)
     if kind == "rmsnorm":
-        return F.rmsnorm_forward(x, params[name + ".g"], eps)
+        gain = values[name + ".g"]
+        if (kernels.applies(x, gain) and eps > 0 and x.ndim >= 1
+                and x.shape[-1] == gain.shape[0] > 0
+                and (done := kernels.rmsnorm_forward(x, gain, eps))):
+            return done
+        return F.rmsnorm_forward(x, gain, eps)
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
 def norm_backward(params: Parameters, name: str, dy, cache, kind: str):
     """Adds dgain (and dshift) into the gradient views; returns dx."""
+    grads = params._grads
+    fast = kernels.applies(dy, *cache) and dy.shape == cache[0].shape
     if kind == "layernorm":
-        dx, dgain, dshift = F.layernorm_backward(dy, cache)
-        accumulate(params, name + ".b", dshift)
+        dx, dgain, dshift = (kernels.layernorm_backward(dy, cache) if fast
+                             else F.layernorm_backward(dy, cache))
+        view = grads[name + ".b"]
+        view += dshift
     else:
-        dx, dgain = F.rmsnorm_backward(dy, cache)
-    accumulate(params, name + ".g", dgain)
+        dx, dgain = (kernels.rmsnorm_backward(dy, cache) if fast
+                     else F.rmsnorm_backward(dy, cache))
+    view = grads[name + ".g"]
+    view += dgain
     return dx

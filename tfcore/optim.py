@@ -253,9 +253,16 @@ class _Optimizer:
 
     def _gradient_is_finite(self) -> bool:
         """True when params.grad holds no nan or inf; otherwise raise, or count a skip."""
-        xp = namespace(self.params.grad)
-        if bool(xp.all(xp.isfinite(self.params.grad))):
-            return True
+        grad = self.params.grad
+        if type(grad) is np.ndarray and grad.size:
+            # no [P] boolean temporary: the max is nan when any entry is (NumPy's reductions
+            # propagate nan), and an inf is the max or the min
+            if math.isfinite(grad.max()) and math.isfinite(grad.min()):
+                return True
+        else:
+            xp = namespace(grad)
+            if bool(xp.all(xp.isfinite(grad))):
+                return True
         if self.skip_nonfinite:
             self.skipped += 1
             return False

@@ -22,10 +22,13 @@ Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b`` ``attn.qk
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import functional as F
-from .. import nn
+from .. import kernels, nn
 from ..backend import namespace
 from ..functional.activations import swiglu_backward, swiglu_forward
 from ..functional.attention import (
@@ -94,6 +97,43 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
 
 
 # ---------------------------------------------------------------------------------------
+# The block's element-wise steps on its own arrays. Where the fused kernels take the arrays,
+# these skip the public ops' argument checks (the block made the arrays, so shapes and dtypes
+# agree by construction) and compute exactly what the op computes; otherwise they call it.
+
+
+def _add(x, fx):
+    """x + fx [...]: residual_forward's sum."""
+    if kernels.applies(x, fx, contiguous=False) and x.shape == fx.shape:
+        return x + fx
+    return F.residual_forward(x, fx)[0]
+
+
+def _split_grad(dy):
+    """residual_backward(dy): the sum hands dy to the skip and to the branch alike."""
+    if kernels.applies(dy, contiguous=False):
+        return dy, dy
+    return F.residual_backward(dy)
+
+
+def _dropout_forward(x, p, rng, training):
+    """dropout_forward(x, p, rng, training); at p == 0 or in evaluation the identity, with
+    the op's cache (no mask), without the checks."""
+    if (p == 0.0 or training is False) and kernels.applies(x, contiguous=False):
+        return x, (None, 1.0, (x.shape, x.dtype, namespace(x)))
+    return F.dropout_forward(x, p, rng, training)
+
+
+def _dropout_backward(dy, cache):
+    """dropout_backward(dy, cache): the identity when the forward drew no mask."""
+    keep, _, (shape, dtype, _) = cache
+    if keep is None and kernels.applies(dy, contiguous=False) and dy.shape == shape \
+            and dy.dtype == dtype:
+        return dy
+    return F.dropout_backward(dy, cache)
+
+
+# ---------------------------------------------------------------------------------------
 # Grouped-query attention: query head h reads key/value head h // (H / H_kv)
 
 
@@ -147,6 +187,33 @@ def core_attention_forward(q, k, v, spec, rng=None, training=False):
                              training=training)
 
 
+def _tiled_kernel_forward(qkv, spec):
+    """qkv [B, S, 3D] -> (a [B, H, S, D_h], cache): tiled_attention_forward's kernel call,
+    without dropout, masks or rotary. q, k and v are made C-contiguous once, as one
+    [3, B, H, S, D_h] copy of qkv that the cache keeps in qkv's place (the same bytes): the
+    kernel reads them as they lie in the forward and again in the backward."""
+    batch, seq, width3 = qkv.shape
+    heads = spec.n_heads
+    d_h = width3 // 3 // heads
+    qkv_heads = np.ascontiguousarray(
+        qkv.reshape(batch, seq, 3, heads, d_h).transpose(2, 0, 3, 1, 4))  # [3, B, H, S, D_h]
+    q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
+    scale = 1.0 / math.sqrt(d_h)
+    causal = bool(spec.causal)
+    out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
+    settings = dict(causal=causal, scale=scale, block_size=spec.attention_block_size,
+                    mask=None, key_padding=None, dropout_p=0.0, seed=None)
+    return out, (q, k, v, out, lse, settings)
+
+
+def _tiled_kernel_takes(da, c_att) -> bool:
+    """tiled_attention_backward would hand (da, c_att) to its kernel: no mask, no dropout."""
+    settings = c_att[5]
+    return (settings["mask"] is None and settings["key_padding"] is None
+            and settings["seed"] is None and kernels.applies(da, *c_att[:5], contiguous=False)
+            and da.shape == c_att[3].shape)
+
+
 # ---------------------------------------------------------------------------------------
 # Attention sublayer: qkv = x W_qkv + b; q, k, v = split; (rotary on q, k); a = attention;
 # out = dropout(merge(a) W_proj + b)
@@ -162,6 +229,15 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
     """
     qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, 3D]
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
+    if (spec.attention == "tiled" and groups == 1 and rope is None and kv is None
+            and not spec.recompute_attention and (spec.dropout == 0.0 or training is False)
+            and kernels.applies(qkv)):
+        a, c_att = _tiled_kernel_forward(qkv, spec)                     # [B, H, S, D_h]
+        batch, heads, seq, d_h = a.shape                    # merge_heads(a), unchecked:
+        merged = a.transpose(0, 2, 1, 3).reshape(batch, seq, heads * d_h)  # [B, S, D]
+        out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)
+        out, c_drop = _dropout_forward(out, spec.dropout, rng, training)  # [B, S, D]
+        return out, (c_qkv, None, None, c_att, c_proj, c_drop)
     if groups == 1:
         q, k, v = qkv_split(qkv, spec.n_heads)                          # [B, H, S, D_h] each
     else:
@@ -184,28 +260,43 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         c_att = ("recompute", q, k, v, replay, training)
     merged = merge_heads(a)                                             # [B, S, D]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
-    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
+    out, c_drop = _dropout_forward(out, spec.dropout, rng, training)    # [B, S, D]
     return out, (c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
 
 
 def attention_sublayer_backward(params, prefix, dout, cache, spec):
     """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv, d b_qkv, d W_proj, d b_proj."""
     c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
-    dout = F.dropout_backward(dout, c_drop)                             # [B, S, D]
+    del cache                       # as in the MLP: each part is freed when last used
+    dout = _dropout_backward(dout, c_drop)                             # [B, S, D]
     dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
+    del dout, c_proj                # the merged heads [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
     if spec.recompute_attention:        # the same call on the same inputs and draws: same A
         _, q, k, v, replay, training = c_att
         _, c_att = core_attention_forward(q, k, v, spec, replay, training)
-    backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
-    dq, dk, dv = backward(da, c_att)                                    # [B, H, S, D_h] each
+    if spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
+        q, k, v, out, lse = (np.ascontiguousarray(t) for t in c_att[:5])   # no copy: q, k, v
+        settings = c_att[5]                                             # made contiguous above
+        dq, dk, dv = kernels.tiled_attention_backward(np.ascontiguousarray(da), q, k, v, out,
+                                                      lse, settings["causal"],
+                                                      settings["scale"])
+        del q, k, v, out, lse
+    else:
+        backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
+        dq, dk, dv = backward(da, c_att)                                # [B, H, S, D_h] each
+    c_att = da = dmerged = None                 # q, k, v, out [B, H, S, D_h]: freed here
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
     dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)       # [B, H_kv, S, D_h]
     if c_rope_q is not None:
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)
     if groups == 1:
-        dqkv = qkv_merge_grads(dq, dk, dv)                              # [B, S, 3D]
+        dqkv = None
+        if kernels.applies(dq, dk, dv, contiguous=False):   # the tiled kernel's three views
+            dqkv = kernels.fused_qkv_grads(dq, dk, dv)      # of one buffer: no copy, no check
+        if dqkv is None:
+            dqkv = qkv_merge_grads(dq, dk, dv)                          # [B, S, 3D]
     else:                                                               # [B, S, D + 2 H_kv D_h]
         dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
                                     axis=-1)
@@ -225,27 +316,36 @@ def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
         hidden, c_act = swiglu_forward(gate, up)                        # silu(gate) * up [B, S, F]
     elif spec.mlp == "gelu":
         c_gate = None
-        hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)       # [B, S, F]
+        if kernels.applies(up) and spec.gelu_approximate in ("none", "tanh"):
+            hidden, c_act = kernels.gelu_forward(up, spec.gelu_approximate), (
+                up, spec.gelu_approximate)                              # [B, S, F]
+        else:
+            hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)   # [B, S, F]
     else:
         c_gate = None
         hidden, c_act = F.relu_forward(up)                              # [B, S, F]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", hidden)   # [B, S, D]
-    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)
+    out, c_drop = _dropout_forward(out, spec.dropout, rng, training)
     return out, (c_fc, c_gate, c_act, c_proj, c_drop)
 
 
 def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     """dout [B, S, D] -> dx [B, S, D]; adds the gradients of fc, (gate,) proj."""
     c_fc, c_gate, c_act, c_proj, c_drop = cache
-    dout = F.dropout_backward(dout, c_drop)
+    del cache                       # the caller handed the cache over: each part is freed
+    dout = _dropout_backward(dout, c_drop)                              # when last used
     dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, F]
+    del dout, c_proj                # the hidden activation [B, S, F]: no longer needed
     if spec.mlp == "swiglu":
         dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
         del dhidden
         dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
         return dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc)
     if spec.mlp == "gelu":
-        dup = F.gelu_backward(dhidden, c_act, out=dhidden)              # in place: a temporary
+        if kernels.applies(dhidden, c_act[0]) and dhidden.shape == c_act[0].shape:
+            dup = kernels.gelu_backward(dhidden, c_act[0], c_act[1], out=dhidden)
+        else:
+            dup = F.gelu_backward(dhidden, c_act, out=dhidden)          # in place: a temporary
     else:
         dup = F.relu_backward(dhidden, c_act)
     del dhidden                                 # [B, S, F]: not needed by the last product
@@ -263,20 +363,27 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
     if spec.placement == "pre":
         h, c_ln1 = nn.norm_forward(params, prefix + ".ln1", x, spec.norm, spec.eps)
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
-        x1 = F.residual_forward(x, a)[0] if spec.residual else a        # x + attn(norm1(x))
+        x1 = _add(x, a) if spec.residual else a                 # x + attn(norm1(x))
         h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
         m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", h, spec, rng=rng,
                                         training=training)
-        y = F.residual_forward(x1, m)[0] if spec.residual else m        # x1 + mlp(norm2(x1))
+        y = _add(x1, m) if spec.residual else m                # x1 + mlp(norm2(x1))
     else:
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
-        s1 = F.residual_forward(x, a)[0] if spec.residual else a        # x + attn(x)
+        s1 = _add(x, a) if spec.residual else a                 # x + attn(x)
         x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
         m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", x1, spec, rng=rng,
                                         training=training)
-        s2 = F.residual_forward(x1, m)[0] if spec.residual else m       # x1 + mlp(x1)
+        s2 = _add(x1, m) if spec.residual else m                # x1 + mlp(x1)
         y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
     return y, (c_ln1, c_attn, c_ln2, c_mlp)
+
+
+def take(caches: list, index: int):
+    """caches[index], leaving None in its place: handed on as an argument, the value is then
+    held by the callee alone, which frees it as soon as it is done with it."""
+    value, caches[index] = caches[index], None
+    return value
 
 
 def block_backward(params, prefix, dy, cache, spec):
@@ -284,24 +391,28 @@ def block_backward(params, prefix, dy, cache, spec):
 
     The residual sum hands its gradient to both the skip and the branch unchanged, so each
     skip gradient is added to the branch's result (out of place: residual_backward returns
-    one array for both).
+    one array for both). Each sublayer's cache is handed over with `take`, so that it is
+    freed as soon as that sublayer's backward returns (the MLP's [B, S, F] tensors before
+    the attention's backward runs); the caller hands `cache` over the same way.
     """
-    c_ln1, c_attn, c_ln2, c_mlp = cache
     if not spec.residual:
         return _block_backward_without_skips(params, prefix, dy, cache, spec)
+    caches = list(cache)                              # c_ln1, c_attn, c_ln2, c_mlp
+    del cache
     if spec.placement == "pre":
-        dx1, dm = F.residual_backward(dy)                               # y = x1 + m
-        dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
-        dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
-        dx, da = F.residual_backward(dx1)                               # x1 = x + a
-        dh = attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
-        return dx + nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
-    ds2 = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)     # y = norm2(s2)
-    dx1, dm = F.residual_backward(ds2)                                  # s2 = x1 + m
-    dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
-    ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)    # x1 = norm1(s1)
-    dx, da = F.residual_backward(ds1)                                   # s1 = x + a
-    return dx + attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
+        dx1, dm = _split_grad(dy)                                     # y = x1 + m
+        dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
+        dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2), spec.norm)
+        del dh
+        dx, da = _split_grad(dx1)                                     # x1 = x + a
+        dh = attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
+        return dx + nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0), spec.norm)
+    ds2 = nn.norm_backward(params, prefix + ".ln2", dy, take(caches, 2), spec.norm)  # norm2(s2)
+    dx1, dm = _split_grad(ds2)                                        # s2 = x1 + m
+    dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
+    ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, take(caches, 0), spec.norm)  # norm1(s1)
+    dx, da = _split_grad(ds1)                                         # s1 = x + a
+    return dx + attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
 
 
 def _block_backward_without_skips(params, prefix, dy, cache, spec):

@@ -29,7 +29,7 @@ from .. import nn
 from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
-from .blocks import replayable
+from .blocks import replayable, take
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 # what the forward keeps of each block for the backward (chapter 17): "none" recomputes
@@ -364,8 +364,9 @@ class DecoderLM:
                 _, x_in, replay, training, rope = c_blocks[i]
                 _, c_blocks[i] = block_forward(p, f"h{i}", x_in, self.spec, rope=rope,
                                                rng=replay, training=training)
-            dx = block_backward(p, f"h{i}", dx, c_blocks[i], self.spec)  # [B, S, D]
-            c_blocks[i] = None                       # release this layer's caches now
+            # take: the block's backward holds this layer's caches alone and frees each
+            # sublayer's as soon as it is done with it
+            dx = block_backward(p, f"h{i}", dx, take(c_blocks, i), self.spec)  # [B, S, D]
         c_emb, c_pos, c_drop = c_embed
         dx = F.dropout_backward(dx, c_drop)
         if c_pos is not None:
