@@ -14,6 +14,17 @@ from tfcore.parallel import context, fsdp, pipeline, runner
 RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
 
 
+def _assert_refused_in_one_line(args, message, capsys, monkeypatch):
+    """Exit status 2, nothing on stdout, one line on stderr starting with the message, and
+    no training started."""
+    _forbid_training(monkeypatch)
+    assert cli.main(["--simulate", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: " + message)
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--tp", "0"], "--tp must be a positive integer, got 0"),
     (["--tp", "-2"], "--tp must be a positive integer, got -2"),
@@ -46,12 +57,7 @@ RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
     (["--pp", "2", "--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
 ])
 def test_bad_arguments_are_one_line_naming_the_argument(args, message, capsys, monkeypatch):
-    _forbid_training(monkeypatch)
-    assert cli.main(["--simulate", *args]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("error: " + message)
-    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    _assert_refused_in_one_line(args, message, capsys, monkeypatch)
 
 
 def _forbid_training(monkeypatch):
@@ -100,12 +106,7 @@ def _forbid_training(monkeypatch):
 ])
 def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
                                                           monkeypatch):
-    _forbid_training(monkeypatch)
-    assert cli.main(["--simulate", *args]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("error: " + message)
-    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    _assert_refused_in_one_line(args, message, capsys, monkeypatch)
 
 
 @pytest.mark.parametrize("args,layout", [
