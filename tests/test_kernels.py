@@ -400,6 +400,7 @@ def test_tiled_attention_keeps_nothing_of_size_s_by_s(rng):
 
     b, h, s, d_h = 1, 1, 1024, 16
     q, k, v, dout = (randn(rng, (b, h, s, d_h), "float64") for _ in range(4))
+    kernels.warm_up(("float64",))              # Numba's loading is not the attention's memory
     tracemalloc.start()
     try:
         out, lse = kernels.tiled_attention_forward(q, k, v, True, 0.25, threads=1)
@@ -693,3 +694,38 @@ def test_the_optimizer_finiteness_check_without_a_temporary(bad, dtype):
         params.grad[where] = bad
         opt.step()
     assert opt.skipped == 3 and opt.t == 1
+
+
+@needs_numba
+@DTYPES
+def test_the_vectorized_exp_matches_numpy_to_a_few_units_in_the_last_place(dtype):
+    """exp_rows_into (the attention's and cross-entropy's exp): within 4 ulp of NumPy's exp
+    over the range it serves, x * mul - sub as the argument, clamped below (no subnormal
+    result) and above (no overflow), NaN kept, and only the first `limit` entries touched."""
+    from numba import njit
+
+    from tfcore.kernels import _numba
+
+    @njit
+    def exp_rows(row, limit, mul, sub):
+        _numba.exp_rows_into(row, limit, mul, sub)
+
+    kind = np.dtype(dtype).type
+    floor, ceiling = {"float64": (-708.0, 709.0), "float32": (-87.0, 88.0)}[dtype]
+    x = np.concatenate([np.linspace(floor, ceiling, 200001),
+                        [0.0, -0.0, -1e-30, 1e-30, np.log(2.0), -np.log(2.0)]]).astype(dtype)
+    got = x.copy()
+    exp_rows(got, got.size, kind(1.0), kind(0.0))
+    want = np.exp(x.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.float64)
+    assert np.max(np.abs(got.astype(np.float64) - want) / ulp) <= 4
+    shifted = x[:1000].copy()                                   # x * mul - sub
+    exp_rows(shifted, shifted.size, kind(0.5), kind(-1.0))
+    want = np.exp(x[:1000].astype(np.float64) * 0.5 + 1.0)
+    assert np.max(np.abs(shifted / want - 1.0)) <= 8 * np.finfo(dtype).eps
+    edges = np.array([-np.inf, -1e30, 1e30, np.nan, 7.0], dtype=dtype)
+    exp_rows(edges, 4, kind(1.0), kind(0.0))
+    tiny, huge = np.exp(np.float64(floor)), np.exp(np.float64(ceiling))
+    assert edges[0] == edges[1] and abs(edges[0] / tiny - 1) < 1e-5      # clamped below
+    assert np.isfinite(edges[2]) and abs(edges[2] / huge - 1) < 1e-5     # clamped above
+    assert np.isnan(edges[3]) and edges[4] == 7.0                        # NaN; past limit

@@ -8,13 +8,20 @@ lse [B, H, S_q] = log sum_j exp(scale * q_i k_j) over the keys query i sees (the
 log-sum-exp of the scaled scores). Causal: query i sees key j when j <= i + S_k - S_q, as in
 tfcore.functional.attention_forward.
 
-The forward visits the keys in blocks of `BLOCK` and keeps, per query row, the running
-maximum m, the running sum l of exp(s - m) and the running output acc = sum exp(s - m) v,
-rescaling both by exp(m_old - m_new) when the maximum grows; out = acc / l, lse = m + log l.
-The backward recomputes each block of probabilities p = exp(s - lse) from q, k and lse, so
-nothing of size [S_q, S_k] is kept between the two passes (the largest temporary is one
-[B', H, BLOCK, BLOCK] block). Blocks wholly above the causal diagonal are never computed:
-a causal step makes about half the matmul FLOPs of the dense attention.
+The forward takes the queries in blocks of BLOCK rows; each meets the keys it sees in blocks
+of up to SPAN columns, and keeps, per query row, the running maximum m, the running sum l of
+exp(s - m) and the running output acc = sum exp(s - m) v, rescaling both by
+exp(m_old - m_new) when the maximum grows; out = acc / l, lse = m + log l. The backward takes
+the keys in blocks of BLOCK columns; each meets the queries that see it in blocks of up to
+SPAN rows, recomputing the probabilities p = exp(s - lse) from q, k and lse. So nothing of
+size [S_q, S_k] is made: the largest temporaries are two [B', H, BLOCK, SPAN] blocks, reused
+from block to block. Keys a whole block of queries cannot see (above the causal diagonal)
+are never computed: a causal step makes about half the matmul FLOPs of the dense attention.
+
+Wide blocks (SPAN) make fewer, larger BLAS calls: on [64, 64] blocks OpenBLAS reaches 70% of
+its peak, and one product of a block (dk or dv of a key block) is made at once. The scores'
+softmax, its exp included, runs in the Numba loops of _numba (attention_forward_block,
+attention_backward_block), one pass per block.
 
 The work is split over the batch (or, with a batch smaller than the thread count, the heads):
 each thread runs the whole blocked loop on its share with a single-threaded BLAS, so there is
@@ -24,11 +31,14 @@ tfcore.backend.count_matmuls under the label "tiled attention".
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..backend import record_matmul
 
-BLOCK = 64          # rows of a query block and of a key block
+BLOCK = 64          # rows of a forward query block, columns of a backward key block
+SPAN = 256          # the most keys (forward) or queries (backward) one block meets at once
 _LABEL = "tiled attention"
 
 
@@ -68,114 +78,100 @@ def _key_stop(i1, offset, s_k, causal):
     return min(s_k, i1 + offset) if causal else s_k
 
 
-# The boolean masks of the blocks that straddle the causal diagonal, by (bq, bk, shift): a
-# block of queries i0.. and keys j0.. hides key j0 + c from query i0 + r when
-# c > r + shift, shift = i0 + offset - j0. A handful of shapes per model, made once.
-_MASKS: dict[tuple[int, int, int], np.ndarray] = {}
+def _block(buffer, shape):
+    """A C-contiguous [shape] array on the first elements of a flat scratch buffer."""
+    return buffer[:math.prod(shape)].reshape(shape)
 
 
-def _causal_mask(bq, bk, shift):
-    """[bq, bk] bool, True where the key is hidden (c > r + shift)."""
-    key = (bq, bk, shift)
-    mask = _MASKS.get(key)
-    if mask is None:
-        if len(_MASKS) > 256:            # a bound, for a long run of many sequence lengths
-            _MASKS.clear()
-        mask = np.arange(bk)[None, :] > np.arange(bq)[:, None] + shift
-        _MASKS[key] = mask
-    return mask
+def _forward_part(q, k, v, out, lse, causal, scale, block, span):
+    """The forward for one share of the batch (arrays are views [b, H, ...] of the caller's):
+    query blocks of `block` rows, each against its keys in blocks of up to `span` columns."""
+    from . import _k
 
-
-def _mask_block(s, i0, j0, offset):
-    """s [..., bq, bk] scores of queries i0.. and keys j0..: -inf where key > query + offset.
-
-    One masked copy broadcast over the leading axes (a boolean index s[..., mask] would
-    gather the positions into index arrays first: about 9 times slower on [16, 4, 64, 64]).
-    """
-    bq, bk = s.shape[-2:]
-    if j0 + bk - 1 <= i0 + offset:          # the whole block is on or below the diagonal
-        return
-    np.copyto(s, -np.inf, where=_causal_mask(bq, bk, i0 + offset - j0))
-
-
-def _forward_part(q, k, v, out, lse, causal, scale, block):
-    """The forward for one share of the batch (arrays are views [b, H, ...] of the caller's)."""
-    s_q, s_k = q.shape[2], k.shape[2]
+    kern = _k()
+    scale = q.dtype.type(scale)
+    batch, heads, s_q, _ = q.shape
+    s_k, d_v = k.shape[2], v.shape[3]
     offset = s_k - s_q
+    # k^T laid out as [b, H, D_h, S_k]: BLAS multiplies by a transposed view 1.4 times slower
+    k_t = np.ascontiguousarray(np.swapaxes(k, -1, -2))
+    rows = min(block, s_q)
+    scores = np.empty(batch * heads * rows * min(span, s_k), dtype=q.dtype)
+    product = np.empty(batch * heads * rows * d_v, dtype=q.dtype)
+    m = np.empty((batch, heads, rows), dtype=q.dtype)             # running max
+    l = np.empty_like(m)                                          # running sum
+    alpha = np.empty_like(m)                                      # rescaling factor
     for i0 in range(0, s_q, block):
         i1 = min(i0 + block, s_q)
-        qi = q[:, :, i0:i1]                                          # [b, H, bq, D_h]
-        m = np.full(qi.shape[:3] + (1,), -np.inf, dtype=q.dtype)     # running max
-        l = np.zeros_like(m)                                         # running sum
-        acc = out[:, :, i0:i1]                                       # [b, H, bq, D_v]
-        for j0 in range(0, _key_stop(i1, offset, s_k, causal), block):
-            j1 = min(j0 + block, s_k)
-            s = _mm(qi, np.swapaxes(k[:, :, j0:j1], -1, -2))          # [b, H, bq, bk]
-            s *= scale
-            if causal:
-                _mask_block(s, i0, j0, offset)
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            s -= m_new
-            np.exp(s, out=s)                                         # p = exp(s - m_new)
-            alpha = np.exp(m - m_new)                                # rescales the old sums
-            l *= alpha
-            l += s.sum(axis=-1, keepdims=True)
+        bq = i1 - i0
+        qi, acc = q[:, :, i0:i1], out[:, :, i0:i1]                # [b, H, bq, D_h | D_v]
+        m_i, l_i, alpha_i = m[:, :, :bq], l[:, :, :bq], alpha[:, :, :bq]
+        m_i[...] = -np.inf
+        l_i[...] = 0.0
+        stop = _key_stop(i1, offset, s_k, causal)
+        for j0 in range(0, stop, span):
+            j1 = min(j0 + span, stop)
+            s = _mm(qi, k_t[..., j0:j1], out=_block(scores, (batch, heads, bq, j1 - j0)))
+            shift = i0 + offset - j0 if causal else j1 - j0
+            kern.attention_forward_block(s, scale, shift, m_i, l_i, alpha_i)  # s is now p
             if j0 == 0:                      # the first block: written in place, no rescale
                 _mm(s, v[:, :, j0:j1], out=acc)
             else:
-                acc *= alpha
-                acc += _mm(s, v[:, :, j0:j1])
-            m = m_new
-        acc /= l
-        lse[:, :, i0:i1] = (m + np.log(l))[..., 0]
+                pv = _mm(s, v[:, :, j0:j1], out=_block(product, (batch, heads, bq, d_v)))
+                kern.attention_rescale_add(acc, alpha_i, pv)
+        kern.attention_forward_finish(acc, m_i, l_i, lse[:, :, i0:i1])
 
 
-def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block):
-    s_q, s_k = q.shape[2], k.shape[2]
+def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, span):
+    """The backward for one share: key blocks of `block` columns, each against the queries
+    that see it in blocks of up to `span` rows (then dk and dv of a key block are one
+    product each when its queries fit one span; dq adds up over the key blocks)."""
+    from . import _k
+
+    kern = _k()
+    scale = q.dtype.type(scale)
+    batch, heads, s_q, d_h = q.shape
+    s_k, d_v = k.shape[2], v.shape[3]
     offset = s_k - s_q
-    # delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense backward    [b, H, S_q, 1]
-    delta = np.einsum("bhsd,bhsd->bhs", dout, out)[..., None]
-    lse4 = lse[..., None]
-    dq_written = np.zeros(-(-s_q // block), dtype=bool)  # has a query block had a product yet
+    # delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense backward    [b, H, S_q]
+    delta = np.einsum("bhsd,bhsd->bhs", dout, out)
+    cols, rows = min(block, s_k), min(span, s_q)
+    probs = np.empty(batch * heads * rows * cols, dtype=q.dtype)
+    dscores = np.empty_like(probs)
+    product = np.empty(batch * heads * max(rows, cols) * max(d_h, d_v), dtype=q.dtype)
     for j0 in range(0, s_k, block):
         j1 = min(j0 + block, s_k)
-        kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]                      # [b, H, bk, D]
+        bk = j1 - j0
+        kj = k[:, :, j0:j1]                                          # [b, H, bk, D_h]
+        # k_j^T and v_j^T laid out as [b, H, D, bk] (see the forward)
+        kj_t = np.ascontiguousarray(np.swapaxes(kj, -1, -2))
+        vj_t = np.ascontiguousarray(np.swapaxes(v[:, :, j0:j1], -1, -2))
         dkj, dvj = dk[:, :, j0:j1], dv[:, :, j0:j1]
-        # the first query block that sees key j0: query i sees j0 when i >= j0 - offset
-        first = max(0, j0 - offset) // block * block if causal else 0
+        first = max(0, j0 - offset) if causal else 0   # the first query that sees key j0
         if first >= s_q:                  # no query sees these keys (S_q < S_k, causal)
             dkj[...] = 0.0
             dvj[...] = 0.0
             continue
-        for i0 in range(first, s_q, block):
-            i1 = min(i0 + block, s_q)
+        for i0 in range(first, s_q, span):
+            i1 = min(i0 + span, s_q)
+            shape = (batch, heads, i1 - i0, bk)
             qi, doi = q[:, :, i0:i1], dout[:, :, i0:i1]
-            p = _mm(qi, np.swapaxes(kj, -1, -2))                      # [b, H, bq, bk]
-            p *= scale
-            if causal:
-                _mask_block(p, i0, j0, offset)
-            p -= lse4[:, :, i0:i1]
-            np.exp(p, out=p)                                         # probabilities
-            # the first product of a block is written in place (no zeroing, no temporary)
-            if i0 == first:
-                _mm(np.swapaxes(p, -1, -2), doi, out=dvj)            # p^T dout
-            else:
-                dvj += _mm(np.swapaxes(p, -1, -2), doi)
-            dp = _mm(doi, np.swapaxes(vj, -1, -2))                    # dout v^T [b, H, bq, bk]
-            dp -= delta[:, :, i0:i1]
-            dp *= p
-            dp *= scale                                              # dZ of the block
-            if dq_written[i0 // block]:
-                dq[:, :, i0:i1] += _mm(dp, kj)
-            else:
-                _mm(dp, kj, out=dq[:, :, i0:i1])
-                dq_written[i0 // block] = True
-            if i0 == first:
-                _mm(np.swapaxes(dp, -1, -2), qi, out=dkj)
-            else:
-                dkj += _mm(np.swapaxes(dp, -1, -2), qi)
-    for blk in np.flatnonzero(~dq_written):   # query blocks that saw no key (none, today)
-        dq[:, :, blk * block:(blk + 1) * block] = 0.0
+            p = _mm(qi, kj_t, out=_block(probs, shape))                     # [b, H, bq, bk]
+            dp = _mm(doi, vj_t, out=_block(dscores, shape))                 # dout v^T
+            shift = i0 + offset - j0 if causal else bk
+            kern.attention_backward_block(p, dp, lse[:, :, i0:i1], delta[:, :, i0:i1], scale,
+                                          shift)          # p: probabilities; dp: dZ
+            _accumulate(np.swapaxes(p, -1, -2), doi, dvj, i0 == first, product)   # p^T dout
+            _accumulate(np.swapaxes(dp, -1, -2), qi, dkj, i0 == first, product)   # dZ^T q
+            _accumulate(dp, kj, dq[:, :, i0:i1], j0 == 0, product)               # dZ k
+
+
+def _accumulate(a, b, out, first, scratch):
+    """out = a @ b when first, else out += a @ b (through the scratch buffer)."""
+    if first:
+        _mm(a, b, out=out)
+    else:
+        out += _mm(a, b, out=_block(scratch, out.shape))
 
 
 def _shares(batch, heads, parts):
@@ -215,7 +211,7 @@ def _flops(q, k, causal, widths):
     return full // 2 if causal else full
 
 
-def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
+def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None, span=SPAN):
     """q [B, H, S_q, D_h], k [B, H, S_k, D_h], v [B, H, S_k, D_v] -> out [B, H, S_q, D_v],
     lse [B, H, S_q]. Without dropout, masks other than causal, or padding."""
     _check_qkv(q, k, v, causal)
@@ -224,11 +220,13 @@ def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None):
     out = np.empty(q.shape[:3] + v.shape[3:], dtype=q.dtype)
     lse = np.empty(q.shape[:3], dtype=q.dtype)
     _run(_forward_part, (q, k, v, out, lse), threads or _threads(),
-         (bool(causal), float(scale), int(block)), _flops(q, k, causal, q.shape[3] + v.shape[3]))
+         (bool(causal), float(scale), int(block), int(span)),
+         _flops(q, k, causal, q.shape[3] + v.shape[3]))
     return out, lse
 
 
-def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK, threads=None):
+def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK, threads=None,
+                             span=SPAN):
     """dout [B, H, S_q, D_v] and the forward's q, k, v, out, lse -> dq, dk, dv (shapes of
     q, k, v; views of one [B, S, 3, H, D_h] buffer when the three shapes are equal).
     Recomputes the probabilities block by block from lse."""
@@ -255,7 +253,7 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
     else:
         dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or _threads(),
-         (bool(causal), float(scale), int(block)),
+         (bool(causal), float(scale), int(block), int(span)),
          _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
     return dq, dk, dv
 
