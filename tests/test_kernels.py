@@ -400,14 +400,16 @@ def test_tiled_attention_keeps_nothing_of_size_s_by_s(rng):
 
     b, h, s, d_h = 1, 1, 1024, 16
     q, k, v, dout = (randn(rng, (b, h, s, d_h), "float64") for _ in range(4))
-    kernels.warm_up(("float64",))              # Numba's loading is not the attention's memory
-    tracemalloc.start()
-    try:
-        out, lse = kernels.tiled_attention_forward(q, k, v, True, 0.25, threads=1)
-        kernels.tiled_attention_backward(dout, q, k, v, out, lse, True, 0.25, threads=1)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    for trace in (False, True):       # the first run loads the kernels (not the attention's)
+        if trace:
+            tracemalloc.start()
+        try:
+            out, lse = kernels.tiled_attention_forward(q, k, v, True, 0.25, threads=1)
+            kernels.tiled_attention_backward(dout, q, k, v, out, lse, True, 0.25, threads=1)
+            del out, lse
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
     assert peak < s * s * 8 / 8                      # an eighth of one [S, S] float64 matrix
 
 
@@ -530,26 +532,30 @@ def test_causal_softmax_split_over_queries(rng, monkeypatch, s_q):
 
 @needs_numba
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_tiny_benchmark_step_forks_only_for_gelu(monkeypatch, fork_joins, dtype):
-    """At 2 threads, the tiny model's step (the benchmark's smallest config) forks only for
-    GELU's forward and backward ([1024, 256]: 2^17 elements per thread, 0.3-0.6 ms of work
-    each against a fork/join of tens of microseconds); its products, attention and row-wise
-    ops run on the calling thread. The small config also splits its products."""
+def test_an_op_forks_only_when_each_share_is_worth_a_fork_join(monkeypatch, fork_joins, dtype):
+    """At 2 threads a product is split only when each half has MIN_GEMM_FLOPS_PER_THREAD
+    flops, an element-wise op only when each half has MIN_ELEMENTS_PER_THREAD elements; the
+    tiny benchmark step then splits its products and GELU but not its row-wise ops."""
     from tfcore import bench
 
     monkeypatch.setattr(kernels, "_threads", lambda: 2)
-    for name in ("tiny", "small"):
+    rows = kernels.MIN_GEMM_FLOPS_PER_THREAD // (2 * 64 * 64)      # [rows, 64] @ [64, 64]
+    w = np.ones((64, 64), dtype=dtype)
+    for n, splits in ((2 * rows - 1, 0), (2 * rows, 1)):
         fork_joins["fork_joins"] = 0
-        cfg, batch, seq = bench.decoder_config(name, dtype, tiled=True)
-        if name == "small":                     # its shapes, one layer deep
-            cfg = bench.DecoderConfig(**{**cfg.to_dict(), "n_layers": 1})
-        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(batch, seq + 1))
-        bench.TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])()
-        gelu = 2 * cfg.n_layers
-        if name == "tiny":
-            assert fork_joins["fork_joins"] == gelu, fork_joins
-        else:
-            assert fork_joins["fork_joins"] > gelu + 6 * cfg.n_layers, fork_joins
+        kernels.matmul(np.ones((n, 64), dtype=dtype), w)
+        assert fork_joins["fork_joins"] == splits, (n, fork_joins)
+    half = kernels.MIN_ELEMENTS_PER_THREAD
+    for n, splits in ((2 * half - 1, 0), (2 * half, 1)):
+        fork_joins["fork_joins"] = 0
+        kernels.gelu_forward(np.ones(n, dtype=dtype), "tanh")
+        assert fork_joins["fork_joins"] == splits, (n, fork_joins)
+    fork_joins["fork_joins"] = 0
+    cfg, batch, seq = bench.decoder_config("tiny", dtype, tiled=True)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(batch, seq + 1))
+    bench.TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])()
+    per_layer = 4 + 2 + 2 * 4 + 2              # products forward, attention, backward, GELU
+    assert fork_joins["fork_joins"] >= cfg.n_layers * per_layer, fork_joins
 
 
 @needs_numba
@@ -729,3 +735,23 @@ def test_the_vectorized_exp_matches_numpy_to_a_few_units_in_the_last_place(dtype
     assert edges[0] == edges[1] and abs(edges[0] / tiny - 1) < 1e-5      # clamped below
     assert np.isfinite(edges[2]) and abs(edges[2] / huge - 1) < 1e-5     # clamped above
     assert np.isnan(edges[3]) and edges[4] == 7.0                        # NaN; past limit
+
+
+@needs_numba
+@DTYPES
+def test_cross_entropy_backward_can_overwrite_the_probabilities(rng, dtype):
+    """overwrite=True: the same dlogits, written over the cache's probabilities (the label's
+    entry read before its row is overwritten); an ignored row is 0 either way."""
+    logits = randn(rng, (3, 5, 7), dtype)
+    labels = rng.integers(0, 7, size=(3, 5))
+    labels[1, 2] = -100
+    _, cache = F.cross_entropy_forward(logits, labels)
+    fresh = F.cross_entropy_backward(0.5, cache)
+    spent = F.cross_entropy_backward(0.5, cache, overwrite=True)
+    assert np.shares_memory(spent, cache[0])
+    assert np.array_equal(spent, fresh) and not spent[1, 2].any()
+    with kernels.disabled():
+        _, cache = F.cross_entropy_forward(logits, labels)
+        assert rel(F.cross_entropy_backward(0.5, cache, overwrite=True), fresh) <= 1e-6
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        F.cross_entropy_backward(0.5, cache, overwrite="yes")

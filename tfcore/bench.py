@@ -285,7 +285,8 @@ class TfcoreStep:
 
     def __call__(self):
         self.model.params.zero_grad()
-        _, loss = self.model.forward(self.ids, self.targets, training=True)
+        # [1]: the logits are not held through the backward (PyTorch's step frees them too)
+        loss = self.model.forward(self.ids, self.targets, training=True)[1]
         self.model.backward()
         self.opt.step()
         self.loss = float(loss)

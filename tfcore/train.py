@@ -346,7 +346,9 @@ class Trainer:
         x, y = self.batches.next()                                        # [B, S] each
         self.params.zero_grad()
         rng = backend.default_rng(_step_seed(cfg.seed, self.step, 1)) if cfg.dropout else None
-        _, loss = self.model.forward(x, y, training=True, rng=rng)
+        # [1]: the logits [B, S, V] are not held through the backward (it needs only the
+        # probabilities the loss keeps)
+        loss = self.model.forward(x, y, training=True, rng=rng)[1]
         self.model.backward()
         if cfg.grad_clip:
             self.last_grad_norm = optim.clip_grad_norm(self.params.grad, cfg.grad_clip)

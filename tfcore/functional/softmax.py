@@ -140,15 +140,19 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     return loss, (probs, safe, valid, n_valid, tuple(logits.shape))
 
 
-def cross_entropy_backward(dloss, cache):
+def cross_entropy_backward(dloss, cache, overwrite: bool = False):
     """dlogits = dloss * (softmax(logits) - onehot(labels)) / N_valid on kept rows, 0 on ignored rows.
 
     dloss a scalar (1.0 when the loss is the final output)  ->  dlogits [..., V]
+    overwrite=True lets the fused kernel write dlogits over the cache's probabilities (one
+    [N, V] array fewer at the start of a model's backward); the cache is then spent.
     """
     probs, safe, valid, n_valid, shape = cache
     dloss = checks.scalar_upstream("dloss", dloss)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
     if kernels.applies(probs):
-        return kernels.cross_entropy_backward(dloss, cache)
+        return kernels.cross_entropy_backward(dloss, cache, out=probs if overwrite else None)
     xp = namespace(probs)
     n_rows, vocab = probs.shape
     weight = xp.astype(valid, probs.dtype) * (dloss / max(n_valid, 1))          # [N]

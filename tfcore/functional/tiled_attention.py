@@ -207,7 +207,9 @@ def tiled_attention_backward(dout, cache):
     q, k, v, out, lse, settings = cache
     checks.upstream_like("dout", dout, out)
     if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):
-        dout, q, k, v, out, lse = _contiguous(dout, q, k, v, out, lse)
+        q, k, v, lse = _contiguous(q, k, v, lse)
+        if dout.strides[-1] != dout.itemsize or out.strides[-1] != out.itemsize:
+            dout, out = _contiguous(dout, out)
         return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],
                                                 settings["scale"])
     xp = backend.namespace(q, k, v, dout)

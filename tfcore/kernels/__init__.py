@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import threading
 
 import numpy as np
 
@@ -373,10 +374,10 @@ def cross_entropy_forward(z, safe, valid):
     return probs, float(nll.sum())
 
 
-def cross_entropy_backward(dloss, cache):
-    """The reference's cache -> dlogits [..., V]."""
+def cross_entropy_backward(dloss, cache, out=None):
+    """The reference's cache -> dlogits [..., V] (out [N, V]: may be the cache's probs)."""
     probs, safe, valid, n_valid, shape = cache
-    dz = np.empty_like(probs)
+    dz = np.empty_like(probs) if out is None else out
     kernel, scale = _k().cross_entropy_backward, float(dloss) / max(n_valid, 1)
     _split(lambda lo, hi: kernel(probs[lo:hi], safe[lo:hi], valid[lo:hi], scale, dz[lo:hi]),
            probs.shape[0], probs.shape[1])
@@ -450,18 +451,23 @@ def warm_up(dtypes=("float32", "float64")) -> float:
 # idle workers that sleep instead of spinning (OpenBLAS's and OpenMP's idle threads spin for
 # milliseconds, and on 2 cores a spinning thread takes the core another one needs).
 #
-# A fork/join costs some 10-40 microseconds (hand the share to a worker, wake it, wait for
-# it). An op is split only when each thread's share is worth several of those: a GEMM share
-# of MIN_GEMM_FLOPS_PER_THREAD flops (about 0.35 ms of one core at 90 GFLOP/s float32), an
-# element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements (0.1-0.6 ms at 1-5 ns
-# per element). Below that the op runs on the calling thread alone: the tiny model's
-# products (up to 2^25 flops) and row-wise ops never fork, so a second thread cannot make
-# its step slower.
+# A fork/join costs some 40-60 microseconds on a quiet 2-core virtual machine (hand the share
+# to a worker, the system waking its thread, the GIL passed back and forth; a pool of
+# ThreadPoolExecutor cost 70). An op is split only when each thread's share is worth about as
+# much: a GEMM share of MIN_GEMM_FLOPS_PER_THREAD flops (about 45 microseconds of one core at
+# 90 GFLOP/s float32), an element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements
+# (0.05-0.3 ms at 1-5 ns per element); below that the op runs on the calling thread alone,
+# with no fork/join at all. These thresholds took the tiny benchmark step at 2 threads from
+# 16.2 to 15.1 ms (float32) and from 35 to 24 ms (float64) against 2^25 and 2^17, with the
+# small one unchanged (benchmarks/threads_ab.py measures such settings).
 
-MIN_GEMM_FLOPS_PER_THREAD = 2 ** 25
-MIN_ELEMENTS_PER_THREAD = 2 ** 17
+MIN_GEMM_FLOPS_PER_THREAD = 2 ** 22
+MIN_ELEMENTS_PER_THREAD = 2 ** 16
 
-_pool = None
+_pool: list = []     # the worker threads, made on first use
+_pool_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):      # a forked child has none of its parent's threads
+    os.register_at_fork(after_in_child=_pool.clear)
 _blas = None
 
 
@@ -498,14 +504,58 @@ def _on_threads(calls) -> None:
         fn, args = calls[0]
         fn(*args)
         return
-    pool = _thread_pool(len(calls))
-    futures = [pool.submit(fn, *args) for fn, args in calls[1:]]
-    fn, args = calls[0]
+    if not _pool_lock.acquire(blocking=False):   # another thread of the program has the
+        for fn, args in calls:                   # workers: do this call's shares here
+            fn(*args)
+        return
     try:
-        fn(*args)
+        workers = _thread_pool(len(calls))
+        for worker, call in zip(workers, calls[1:]):
+            worker.start(call)
+        fn, args = calls[0]
+        try:
+            fn(*args)
+        finally:
+            errors = [worker.wait() for worker in workers[:len(calls) - 1]]
     finally:
-        for f in futures:
-            f.result()
+        _pool_lock.release()
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+class _Worker:
+    """One thread that runs a call whenever it is handed one: two locks, no queue, no future
+    (a fork/join through a ThreadPoolExecutor cost 70 microseconds here, this one 50: the
+    rest is the operating system waking a sleeping thread)."""
+
+    def __init__(self, name):
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._call = self._error = None
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self):
+        while True:
+            self._go.acquire()
+            fn, args = self._call
+            try:
+                fn(*args)
+            except BaseException as error:      # handed to the caller by wait()
+                self._error = error
+            self._call = None
+            self._done.release()
+
+    def start(self, call):
+        self._call = call
+        self._go.release()
+
+    def wait(self):
+        """Block until the call handed to start() is done -> its exception or None."""
+        self._done.acquire()
+        error, self._error = self._error, None
+        return error
 
 
 def _split(share, n_rows: int, row_width: int) -> None:
@@ -562,14 +612,10 @@ def single_threaded_blas():
             lib.set_num_threads(n)
 
 
-def _thread_pool(threads: int):
+def _thread_pool(threads: int) -> list:
     """The process's worker threads (grown to `threads` - 1 workers on demand)."""
-    global _pool
-    if _pool is None or _pool._max_workers < threads - 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _pool = ThreadPoolExecutor(max_workers=max(1, threads - 1),
-                                   thread_name_prefix="tfcore-worker")
+    while len(_pool) < threads - 1:
+        _pool.append(_Worker(f"tfcore-worker-{len(_pool)}"))
     return _pool
 
 

@@ -337,7 +337,7 @@ def cross_entropy_forward(z, safe, valid, probs, nll):
 
 @njit(**_JIT)
 def cross_entropy_backward(probs, safe, valid, scale, dz):
-    """dz = scale * (probs - onehot(label)) on valid rows, 0 on ignored rows.
+    """dz = scale * (probs - onehot(label)) on valid rows, 0 on ignored rows (dz may be probs).
 
     The label's entry is formed in float64 and rounded once: read back from float32
     storage, scale * p would keep its rounding error, and with V = 1 (p = 1) the exact 0
@@ -346,9 +346,10 @@ def cross_entropy_backward(probs, safe, valid, scale, dz):
     n, v = probs.shape
     for r in range(n):
         if valid[r]:
+            picked = np.float64(probs[r, safe[r]])     # read first: dz may be probs itself
             for j in range(v):
                 dz[r, j] = scale * np.float64(probs[r, j])
-            dz[r, safe[r]] = scale * np.float64(probs[r, safe[r]]) - scale
+            dz[r, safe[r]] = scale * picked - scale
         else:
             for j in range(v):
                 dz[r, j] = 0.0

@@ -14,8 +14,9 @@ exp(s - m) and the running output acc = sum exp(s - m) v, rescaling both by
 exp(m_old - m_new) when the maximum grows; out = acc / l, lse = m + log l. The backward takes
 the keys in blocks of BLOCK columns; each meets the queries that see it in blocks of up to
 SPAN rows, recomputing the probabilities p = exp(s - lse) from q, k and lse. So nothing of
-size [S_q, S_k] is made: the largest temporaries are two [B', H, BLOCK, SPAN] blocks, reused
-from block to block. Keys a whole block of queries cannot see (above the causal diagonal)
+size [S_q, S_k] is made: the largest temporaries are two blocks of scores of at most SCRATCH
+elements (as many batch rows at a time as fit; 256 KiB in float32, so that they stay in the
+cache), reused from block to block. Keys a whole block of queries cannot see (above the causal diagonal)
 are never computed: a causal step makes about half the matmul FLOPs of the dense attention.
 
 Wide blocks (SPAN) make fewer, larger BLAS calls: on [64, 64] blocks OpenBLAS reaches 70% of
@@ -39,16 +40,21 @@ from ..backend import record_matmul
 
 BLOCK = 64          # rows of a forward query block, columns of a backward key block
 SPAN = 256          # the most keys (forward) or queries (backward) one block meets at once
+SCRATCH = 2 ** 16   # the most elements of one scratch block of scores: batch rows at a time
 _LABEL = "tiled attention"
 
 
-def _check(name, x, ndim=4):
+def _check(name, x, ndim=4, rows=False):
+    """x a NumPy float array of `ndim` dimensions, C-contiguous (rows=True: only its last
+    axis need be, as in the [B, H, S, D] view of a [B, S, H, D] array)."""
     if type(x) is not np.ndarray or x.dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} must be a NumPy float32 or float64 array, got "
                         f"{type(x).__name__} {getattr(x, 'dtype', '')}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {x.shape}")
-    if not x.flags.c_contiguous:
+    if rows and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must be contiguous along its last axis")
+    if not rows and not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
 
 
@@ -83,9 +89,30 @@ def _block(buffer, shape):
     return buffer[:math.prod(shape)].reshape(shape)
 
 
+def _batch_chunks(batch, per_item, limit=SCRATCH):
+    """Slices of the batch whose score blocks (per_item elements for each batch row) hold at
+    most `limit` elements together (at least one row each) -> (slices, the largest length)."""
+    step = max(1, min(batch, limit // max(per_item, 1)))
+    return [slice(b0, min(b0 + step, batch)) for b0 in range(0, batch, step)], step
+
+
 def _forward_part(q, k, v, out, lse, causal, scale, block, span):
-    """The forward for one share of the batch (arrays are views [b, H, ...] of the caller's):
-    query blocks of `block` rows, each against its keys in blocks of up to `span` columns."""
+    """The forward for one share of the batch (arrays are views [b, H, ...] of the caller's),
+    a few batch rows at a time (see SCRATCH)."""
+    batch, heads, s_q, _ = q.shape
+    rows, cols = min(block, s_q), min(span, k.shape[2])
+    chunks, step = _batch_chunks(batch, heads * rows * cols)
+    scores = np.empty(step * heads * rows * cols, dtype=q.dtype)
+    product = np.empty(step * heads * rows * v.shape[3], dtype=q.dtype)
+    running = np.empty((3, step, heads, rows), dtype=q.dtype)
+    for b in chunks:
+        _forward_rows(q[b], k[b], v[b], out[b], lse[b], causal, scale, block, span, scores,
+                      product, running)
+
+
+def _forward_rows(q, k, v, out, lse, causal, scale, block, span, scores, product, running):
+    """Query blocks of `block` rows, each against its keys in blocks of up to `span` columns;
+    scores, product: flat scratch; running [3, >= b, H, block]: m, l and alpha."""
     from . import _k
 
     kern = _k()
@@ -95,12 +122,7 @@ def _forward_part(q, k, v, out, lse, causal, scale, block, span):
     offset = s_k - s_q
     # k^T laid out as [b, H, D_h, S_k]: BLAS multiplies by a transposed view 1.4 times slower
     k_t = np.ascontiguousarray(np.swapaxes(k, -1, -2))
-    rows = min(block, s_q)
-    scores = np.empty(batch * heads * rows * min(span, s_k), dtype=q.dtype)
-    product = np.empty(batch * heads * rows * d_v, dtype=q.dtype)
-    m = np.empty((batch, heads, rows), dtype=q.dtype)             # running max
-    l = np.empty_like(m)                                          # running sum
-    alpha = np.empty_like(m)                                      # rescaling factor
+    m, l, alpha = running[:, :batch]            # running max, running sum, rescaling factor
     for i0 in range(0, s_q, block):
         i1 = min(i0 + block, s_q)
         bq = i1 - i0
@@ -123,22 +145,32 @@ def _forward_part(q, k, v, out, lse, causal, scale, block, span):
 
 
 def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, span):
-    """The backward for one share: key blocks of `block` columns, each against the queries
-    that see it in blocks of up to `span` rows (then dk and dv of a key block are one
-    product each when its queries fit one span; dq adds up over the key blocks)."""
+    """The backward for one share, a few batch rows at a time (see SCRATCH)."""
+    batch, heads, s_q, d_h = q.shape
+    cols, rows = min(block, k.shape[2]), min(span, s_q)
+    chunks, step = _batch_chunks(batch, heads * rows * cols)
+    probs = np.empty(step * heads * rows * cols, dtype=q.dtype)
+    dscores = np.empty_like(probs)
+    product = np.empty(step * heads * max(rows, cols) * max(d_h, v.shape[3]), dtype=q.dtype)
+    for b in chunks:
+        _backward_rows(dout[b], q[b], k[b], v[b], out[b], lse[b], dq[b], dk[b], dv[b], causal,
+                       scale, block, span, probs, dscores, product)
+
+
+def _backward_rows(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, span, probs,
+                   dscores, product):
+    """Key blocks of `block` columns, each against the queries that see it in blocks of up
+    to `span` rows (then dk and dv of a key block are one product each when its queries fit
+    one span; dq adds up over the key blocks); probs, dscores, product: flat scratch."""
     from . import _k
 
     kern = _k()
     scale = q.dtype.type(scale)
-    batch, heads, s_q, d_h = q.shape
-    s_k, d_v = k.shape[2], v.shape[3]
+    batch, heads, s_q, _ = q.shape
+    s_k = k.shape[2]
     offset = s_k - s_q
     # delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense backward    [b, H, S_q]
     delta = np.einsum("bhsd,bhsd->bhs", dout, out)
-    cols, rows = min(block, s_k), min(span, s_q)
-    probs = np.empty(batch * heads * rows * cols, dtype=q.dtype)
-    dscores = np.empty_like(probs)
-    product = np.empty(batch * heads * max(rows, cols) * max(d_h, d_v), dtype=q.dtype)
     for j0 in range(0, s_k, block):
         j1 = min(j0 + block, s_k)
         bk = j1 - j0
@@ -212,12 +244,16 @@ def _flops(q, k, causal, widths):
 
 
 def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None, span=SPAN):
-    """q [B, H, S_q, D_h], k [B, H, S_k, D_h], v [B, H, S_k, D_v] -> out [B, H, S_q, D_v],
-    lse [B, H, S_q]. Without dropout, masks other than causal, or padding."""
+    """q [B, H, S_q, D_h], k [B, H, S_k, D_h], v [B, H, S_k, D_v] -> out [B, H, S_q, D_v]
+    (a view of a [B, S_q, H, D_v] array), lse [B, H, S_q]. Without dropout, masks other
+    than causal, or padding."""
     _check_qkv(q, k, v, causal)
     from . import _threads
 
-    out = np.empty(q.shape[:3] + v.shape[3:], dtype=q.dtype)
+    # out is written in the layout [B, S_q, H, D_v] that merging the heads reads (then the
+    # merged [B, S_q, H D_v] is a view of it, not a second copy kept for the backward)
+    batch, heads, s_q, _ = q.shape
+    out = np.swapaxes(np.empty((batch, s_q, heads, v.shape[3]), dtype=q.dtype), 1, 2)
     lse = np.empty(q.shape[:3], dtype=q.dtype)
     _run(_forward_part, (q, k, v, out, lse), threads or _threads(),
          (bool(causal), float(scale), int(block), int(span)),
@@ -228,11 +264,12 @@ def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None, s
 def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK, threads=None,
                              span=SPAN):
     """dout [B, H, S_q, D_v] and the forward's q, k, v, out, lse -> dq, dk, dv (shapes of
-    q, k, v; views of one [B, S, 3, H, D_h] buffer when the three shapes are equal).
+    q, k, v; views of one [B, S, 3, H, D_h] buffer when the three shapes are equal). dout and
+    out need only be contiguous along their last axis (views of [B, S_q, H, D_v] arrays).
     Recomputes the probabilities block by block from lse."""
     _check_qkv(q, k, v, causal)
-    _check("out", out)
-    _check("dout", dout)
+    _check("out", out, rows=True)
+    _check("dout", dout, rows=True)
     _check("lse", lse, 3)
     if dout.shape != out.shape or out.shape != q.shape[:3] + v.shape[3:]:
         raise ValueError(f"dout and out must have shape {q.shape[:3] + v.shape[3:]}, "

@@ -259,6 +259,11 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         # keep what builds A again, not A: q, k, v (kept anyway) and the generator as it was
         c_att = ("recompute", q, k, v, replay, training)
     merged = merge_heads(a)                                             # [B, S, D]
+    if spec.attention == "tiled" and not spec.recompute_attention:
+        # the tiled backward reads the output only through rowsum(dout * out): keep it as
+        # the [B, H, S, D_h] view of the merged heads that the projection keeps anyway (the
+        # fused kernel's output already is one), so that one [B, S, D] array is kept, not two
+        c_att = c_att[:3] + (split_heads(merged, spec.n_heads),) + c_att[4:]
     out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = _dropout_forward(out, spec.dropout, rng, training)    # [B, S, D]
     return out, (c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
@@ -276,11 +281,12 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
         _, q, k, v, replay, training = c_att
         _, c_att = core_attention_forward(q, k, v, spec, replay, training)
     if spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
-        q, k, v, out, lse = (np.ascontiguousarray(t) for t in c_att[:5])   # no copy: q, k, v
-        settings = c_att[5]                                             # made contiguous above
-        dq, dk, dv = kernels.tiled_attention_backward(np.ascontiguousarray(da), q, k, v, out,
-                                                      lse, settings["causal"],
-                                                      settings["scale"])
+        q, k, v, out, lse = c_att[:5]       # q, k, v contiguous (see _tiled_kernel_forward);
+        settings = c_att[5]                 # out and da are [B, H, S, D_h] views of [B, S, D]
+        dq, dk, dv = kernels.tiled_attention_backward(da, np.ascontiguousarray(q),
+                                                      np.ascontiguousarray(k),
+                                                      np.ascontiguousarray(v), out, lse,
+                                                      settings["causal"], settings["scale"])
         del q, k, v, out, lse
     else:
         backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward

@@ -344,7 +344,7 @@ class DecoderLM:
         if dlogits is None:
             if c_loss is None:
                 raise RuntimeError("backward() without dlogits needs a forward with targets")
-            dlogits = F.cross_entropy_backward(1.0, c_loss)                # [B, S, V]
+            dlogits = F.cross_entropy_backward(1.0, c_loss, overwrite=True)  # [B, S, V]
         else:
             checks.shape("dlogits", dlogits, logits_shape)
         self._cache = None

@@ -86,8 +86,9 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     everything but attention's probabilities [B, H, S, S] and their keep-mask (so, with
     attention="tiled", which keeps neither, it would equal "none").
 
-    attention="tiled" keeps the output [B, H, S, D_h] and the log-sum-exp [B, H, S] in place
-    of the probabilities [B, H, S, S] and their keep-mask (chapter 15).
+    attention="tiled" keeps the log-sum-exp [B, H, S] in place of the probabilities
+    [B, H, S, S] and their keep-mask (chapter 15); its output [B, H, S, D_h] is kept as a
+    view of the merged heads [N, D], which the projection keeps anyway.
     n_kv_heads < n_heads (chapter 16): attention keeps the repeated k and v, [N, D] each.
 
     floats: xhat of both norms and their 1/std, the attention input, the fused qkv output
@@ -101,8 +102,8 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
         return N * D * _itemsize(dtype)
     scores = batch * n_heads * seq * seq
     hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
-    if attention == "tiled":
-        scores_kept, scores_masks = N * D + batch * n_heads * seq, 0
+    if attention == "tiled":          # the output is a view of the merged heads: lse only
+        scores_kept, scores_masks = batch * n_heads * seq, 0
     elif recompute == "selective":
         scores_kept, scores_masks = 0, 0
     else:
