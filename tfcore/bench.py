@@ -30,7 +30,8 @@ the same run, with the useful FLOPs of a step 6 N T + 12 L S^2 D B (N parameters
 tokens; what PyTorch's model does too); MiB = peak resident memory of one step above the
 process's resident memory before it, plus the state kept between steps (parameters,
 gradients, AdamW's m and v), measured in a fresh process whose allocator returns freed memory
-at once (the timed process keeps the default allocator, which reuses it); clean = clean:dropped windows of tfcore / of PyTorch; load = the
+at once (the timed process keeps freed memory for reuse, tfcore.kernels.keep_freed_memory, for
+both libraries); clean = clean:dropped windows of tfcore / of PyTorch; load = the
 median rate of other processes' CPU use over all windows of the row, kept or dropped
 (CPU-seconds per second).
 """
@@ -375,7 +376,7 @@ class TorchStep:
 
 
 # -- peak memory, in a fresh process ------------------------------------------------------
-# The timed process keeps glibc's default allocator: it reuses freed blocks, so a step's
+# The timed process keeps freed memory for reuse (kernels.keep_freed_memory), so a step's
 # temporaries cost no page faults. Resident memory then stays at its high-water mark, which
 # hides a step's peak; so the peak is measured in a fresh process whose allocator returns
 # every freed block at once (_fix_malloc), where resident memory follows what is allocated.
@@ -761,6 +762,7 @@ def main(argv=None):
         print(format_table(args.shown))
         return 0
     backend.set_backend("numpy")
+    kernels.keep_freed_memory()         # for both libraries: this process times them alike
     use_torch = not args.no_torch and not args.profile
     torch_version = None
     if use_torch:

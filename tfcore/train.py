@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend, data, optim
+from . import backend, data, kernels, optim
 from .backend import FLOAT_DTYPES
 from .models.decoder import DecoderConfig, DecoderLM
 
@@ -838,6 +838,7 @@ def _default_out_dir(name: str) -> str:
 
 def _main(argv) -> int:
     args = _parser().parse_args(argv)
+    kernels.keep_freed_memory()       # a step reuses last step's memory (no page faults)
     if args.backend:
         backend.set_backend(args.backend)
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig)

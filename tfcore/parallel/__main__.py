@@ -56,6 +56,7 @@ import traceback
 
 import numpy as np
 
+from .. import kernels
 from . import context, fsdp, pipeline, runner
 from .comm import SimulatedGroup
 from .model import check_layout as check_model_layout
@@ -435,6 +436,7 @@ def main_mpi(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    kernels.keep_freed_memory()       # a step reuses last step's memory (no page faults)
     return main_simulated(argv) if "--simulate" in argv else main_mpi(argv)
 
 
