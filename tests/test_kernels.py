@@ -755,3 +755,22 @@ def test_cross_entropy_backward_can_overwrite_the_probabilities(rng, dtype):
         assert rel(F.cross_entropy_backward(0.5, cache, overwrite=True), fresh) <= 1e-6
     with pytest.raises(TypeError, match="overwrite must be True or False"):
         F.cross_entropy_backward(0.5, cache, overwrite="yes")
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_backward_can_overwrite_its_input(rng, monkeypatch, dtype, threads):
+    """overwrite_x=True: the same dx, dW, db (dW made from x before dx is written over x),
+    on one thread and on two (where dx and dW otherwise run side by side)."""
+    monkeypatch.setattr(kernels, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    x, W = randn(rng, (3, 40, 24), dtype), randn(rng, (24, 16), dtype)
+    dy = randn(rng, (3, 40, 16), dtype)
+    fresh = kernels.linear_backward(dy, x, W, True)
+    spent = kernels.linear_backward(dy, x.copy(), W, True, overwrite_x=True)
+    x_again = x.copy()
+    shared = kernels.linear_backward(dy, x_again, W, True, overwrite_x=True)
+    assert np.shares_memory(shared[0], x_again)
+    for a, b in zip(spent, fresh):
+        assert np.array_equal(a, b)

@@ -222,12 +222,15 @@ def linear_forward(params: Parameters, name: str, x):
     return F.linear_forward(x, params[name + ".W"], bias)
 
 
-def linear_backward(params: Parameters, name: str, dy, cache):
-    """Adds dW (and db) into the gradient views; returns dx [..., D_in]."""
+def linear_backward(params: Parameters, name: str, dy, cache, overwrite_input: bool = False):
+    """Adds dW (and db) into the gradient views; returns dx [..., D_in].
+
+    overwrite_input=True: the caller needs the cached input no more, and the fused kernel may
+    write dx over it (one input-sized array fewer at the backward's peak)."""
     x, W, has_bias = cache
     if (kernels.applies(dy, x, W, contiguous=False)
             and dy.shape == x.shape[:-1] + (W.shape[1],)):
-        dx, dW, db = kernels.linear_backward(dy, x, W, has_bias)
+        dx, dW, db = kernels.linear_backward(dy, x, W, has_bias, overwrite_x=overwrite_input)
     else:
         dx, dW, db = F.linear_backward(dy, cache)
     grads = params._grads

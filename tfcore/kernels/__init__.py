@@ -694,26 +694,29 @@ def linear_forward(x, W, b):
     return y
 
 
-def linear_backward(dy, x, W, has_bias):
+def linear_backward(dy, x, W, has_bias, overwrite_x=False):
     """-> dx = dy W^T [..., D_in], dW = x^T dy [D_in, D_out], db [D_out] or None.
 
     On 2 threads the two products (the same FLOPs) run side by side, each whole on its own
     thread: one fork/join where splitting each would take two, and BLAS on full-size
-    products; on more threads each product is split over all of them in turn."""
+    products; on more threads each product is split over all of them in turn.
+    overwrite_x=True (x C-contiguous and no longer needed by the caller): dW is made first,
+    then dx is written over x, one [..., D_in] array fewer at this point of the backward."""
     d_in, d_out = W.shape
     dy_rows, x_rows = dy.reshape(-1, d_out), x.reshape(-1, d_in)  # [N, D_out], [N, D_in]
-    dx = np.empty(x.shape, dtype=dy.dtype)
+    overwrite_x = overwrite_x and x.flags.c_contiguous and x.dtype == dy.dtype
+    dx = x if overwrite_x else np.empty(x.shape, dtype=dy.dtype)
     dW = np.empty(W.shape, dtype=np.result_type(x, dy))
     flops = 2 * dy_rows.shape[0] * d_in * d_out                   # of each product
-    if _threads() == 2 and flops >= MIN_GEMM_FLOPS_PER_THREAD:
+    if _threads() == 2 and flops >= MIN_GEMM_FLOPS_PER_THREAD and not overwrite_x:
         record_matmul("linear", dy_rows.shape, W.T.shape)
         record_matmul("linear", x_rows.T.shape, dy_rows.shape)
         with single_threaded_blas():
             _on_threads([(_matmul_into, (dy_rows, W.T, dx.reshape(-1, d_in))),
                          (_matmul_into, (x_rows.T, dy_rows, dW))])
     else:
-        matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))
         matmul(x_rows.T, dy_rows, out=dW)                         # [D_in, N] @ [N, D_out]
+        matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))            # x is read by now
     db = dy_rows.sum(axis=0) if has_bias else None
     return dx, dW, db
 

@@ -15,12 +15,14 @@ exp(m_old - m_new) when the maximum grows; out = acc / l, lse = m + log l. The b
 the keys in blocks of BLOCK columns; each meets the queries that see it in blocks of up to
 SPAN rows, recomputing the probabilities p = exp(s - lse) from q, k and lse. So nothing of
 size [S_q, S_k] is made: the largest temporaries are two blocks of scores of at most SCRATCH
-elements (as many batch rows at a time as fit; 256 KiB in float32, so that they stay in the
-cache), reused from block to block. Keys a whole block of queries cannot see (above the causal diagonal)
-are never computed: a causal step makes about half the matmul FLOPs of the dense attention.
+elements (as many batch rows at a time as fit: 512 KiB in float32, about the core's cache),
+reused from block to block. Keys a whole block of queries cannot see (above the causal
+diagonal) are never computed: a causal step makes about half the matmul FLOPs of the dense
+attention.
 
-Wide blocks (SPAN) make fewer, larger BLAS calls: on [64, 64] blocks OpenBLAS reaches 70% of
-its peak, and one product of a block (dk or dv of a key block) is made at once. The scores'
+Wide blocks (SPAN) make fewer, larger BLAS calls, and one product of a key block (its dk or
+dv) is made at once. k^T and v^T are laid out contiguously for the products that read them:
+OpenBLAS multiplies by a transposed view at 60-70% of its speed on these shapes. The scores'
 softmax, its exp included, runs in the Numba loops of _numba (attention_forward_block,
 attention_backward_block), one pass per block.
 
@@ -40,7 +42,7 @@ from ..backend import record_matmul
 
 BLOCK = 64          # rows of a forward query block, columns of a backward key block
 SPAN = 256          # the most keys (forward) or queries (backward) one block meets at once
-SCRATCH = 2 ** 16   # the most elements of one scratch block of scores: batch rows at a time
+SCRATCH = 2 ** 17   # the most elements of one scratch block of scores: batch rows at a time
 _LABEL = "tiled attention"
 
 

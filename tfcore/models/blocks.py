@@ -340,8 +340,11 @@ def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     c_fc, c_gate, c_act, c_proj, c_drop = cache
     del cache                       # the caller handed the cache over: each part is freed
     dout = _dropout_backward(dout, c_drop)                              # when last used
-    dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, F]
-    del dout, c_proj                # the hidden activation [B, S, F]: no longer needed
+    # the projection's input, the hidden activation [B, S, F], is this cache's alone and
+    # needed no more once dW is made: dhidden may be written over it
+    dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj,
+                                 overwrite_input=True)                  # [B, S, F]
+    del dout, c_proj
     if spec.mlp == "swiglu":
         dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
         del dhidden
