@@ -155,15 +155,22 @@ def _rows(x, width):
 # -- GELU -------------------------------------------------------------------------------
 # Numba from PyPI calls a scalar tanh/exp/erf per element (its LLVM has no vector math
 # library), while NumPy's own np.tanh and np.exp are SIMD loops. So GELU runs the reference's
-# own sequence of operations, but on chunks of CHUNK elements that stay in the cache
+# own sequence of operations, but on chunks of CHUNK elements that stay in the core's cache
 # (the reference makes a pass over the whole [T, F] activation per operation), with the
-# chunks shared among the threads. For the tanh form the plain arithmetic before and after
+# chunks shared among the threads. Each chunk is a few calls, each of which takes Python's
+# lock (the GIL) to start: on 2 threads, chunks of 2^14 elements made the threads wait on
+# each other at every call, and GELU ran slower on 2 threads than on 1 (1.1 ms against
+# 0.9 ms on 2^20 float32); with 2^18 it takes 0.58 ms (and 0.68 ms on 1 thread). The
+# forward keeps its intermediate in its output; the backward needs a scratch chunk, so
+# its chunks are smaller (BACKWARD_CHUNK: 0.73 ms on 2 threads), to keep the step's peak
+# memory down. For the tanh form the plain arithmetic before and after
 # np.tanh is one Numba loop each (FUSED_GELU; 1.6-2.7 times less CPU than a NumPy pass per
 # operation on the benchmark's shapes); the exact form keeps a pass per ufunc (erf, exp). The
 # operations and their order are the reference's, so the result is the reference's to the
 # last bit.
 
-CHUNK = 16384
+CHUNK = 2 ** 18
+BACKWARD_CHUNK = 2 ** 16
 
 
 def _gelu_tanh_t_chunk(x, t):
@@ -195,9 +202,12 @@ def _gelu_constants(dtype):
     return c
 
 
-def _gelu_forward_chunk(x, y, approximate, t):
-    """x [n] -> y [n] (flat chunks); t [n] scratch."""
+def _gelu_forward_chunk(x, y, approximate):
+    """x [n] -> y [n] (flat chunks); y holds the intermediate t as well (every operation
+    after it reads t and x at one index and writes that index)."""
     from ..functional import activations as act
+
+    t = y
 
     if approximate == "tanh" and FUSED_GELU:
         k, c = _k(), _gelu_constants(x.dtype)
@@ -219,8 +229,8 @@ def _gelu_forward_chunk(x, y, approximate, t):
         np.multiply(t, x, out=y)
 
 
-def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
-    """dy, x [n] -> dx [n] (may be dy); t, u, w [n] scratch."""
+def _gelu_backward_chunk(dy, x, dx, approximate, t, u=None, w=None):
+    """dy, x [n] -> dx [n] (may be dy); t, u, w [n] scratch (t alone for the fused tanh)."""
     from ..functional import activations as act
 
     if approximate == "tanh" and FUSED_GELU:
@@ -262,13 +272,13 @@ def _gelu_backward_chunk(dy, x, dx, approximate, t, u, w):
     np.multiply(u, dy, out=dx)
 
 
-def _chunked(fn, n, threads, dtype, n_scratch, arrays, extra):
-    """fn(*[a[lo:hi] for a in arrays], *extra, *scratch) over chunks of CHUNK elements, the
+def _chunked(fn, n, threads, dtype, n_scratch, arrays, extra, chunk):
+    """fn(*[a[lo:hi] for a in arrays], *extra, *scratch) over chunks of `chunk` elements, the
     chunks of each thread's contiguous share done in order on that thread."""
     def share(lo, hi):
-        scratch = [np.empty(CHUNK, dtype=dtype) for _ in range(n_scratch)]
-        for c0 in range(lo, hi, CHUNK):
-            c1 = min(c0 + CHUNK, hi)
+        scratch = [np.empty(min(chunk, hi - lo), dtype=dtype) for _ in range(n_scratch)]
+        for c0 in range(lo, hi, chunk):
+            c1 = min(c0 + chunk, hi)
             fn(*[a[c0:c1] for a in arrays], *extra, *[w[:c1 - c0] for w in scratch])
 
     parts = _parts(n, MIN_ELEMENTS_PER_THREAD, n, threads)
@@ -278,16 +288,17 @@ def _chunked(fn, n, threads, dtype, n_scratch, arrays, extra):
 def gelu_forward(x, approximate):
     """x [...] -> y [...] (the reference's cache is (x, approximate))."""
     y = np.empty_like(x)
-    _chunked(_gelu_forward_chunk, x.size, _threads(), x.dtype, 1,
-             (x.reshape(-1), y.reshape(-1)), (approximate,))
+    _chunked(_gelu_forward_chunk, x.size, _threads(), x.dtype, 0,
+             (x.reshape(-1), y.reshape(-1)), (approximate,), CHUNK)
     return y
 
 
 def gelu_backward(dy, x, approximate, out=None):
     """dy, x [...] -> dx [...] (out may be dy itself)."""
     dx = np.empty_like(x) if out is None else out
-    _chunked(_gelu_backward_chunk, x.size, _threads(), x.dtype, 3,
-             (dy.reshape(-1), x.reshape(-1), dx.reshape(-1)), (approximate,))
+    scratch = 1 if approximate == "tanh" and FUSED_GELU else 3
+    _chunked(_gelu_backward_chunk, x.size, _threads(), x.dtype, scratch,
+             (dy.reshape(-1), x.reshape(-1), dx.reshape(-1)), (approximate,), BACKWARD_CHUNK)
     return dx
 
 
