@@ -774,3 +774,19 @@ def test_linear_backward_can_overwrite_its_input(rng, monkeypatch, dtype, thread
     assert np.shares_memory(shared[0], x_again)
     for a, b in zip(spent, fresh):
         assert np.array_equal(a, b)
+
+
+@needs_numba
+def test_an_idle_worker_holds_no_reference_to_the_last_call():
+    """Once a fork/join is done, the arrays of its shares are freed with the caller's
+    references (a worker that kept its last call's arguments kept a [B, H, S, S] score
+    matrix alive between steps)."""
+    import gc
+    import weakref
+
+    data = np.ones(1000)
+    alive = weakref.ref(data)
+    kernels._on_threads([(np.sum, (data[:500],)), (np.sum, (data[500:],))])
+    del data
+    gc.collect()
+    assert alive() is None

@@ -578,7 +578,9 @@ class _Worker:
                 fn(*args)
             except BaseException as error:      # handed to the caller by wait()
                 self._error = error
-            self._call = None
+            # hold no reference to the call's arrays while idle (they are freed with the
+            # caller's, not at the next call)
+            self._call = fn = args = None
             self._done.release()
 
     def start(self, call):
