@@ -790,3 +790,46 @@ def test_an_idle_worker_holds_no_reference_to_the_last_call():
     del data
     gc.collect()
     assert alive() is None
+
+
+_ROW_KERNELS = """
+import sys
+import numpy as np
+from tfcore import kernels
+rng = np.random.default_rng(5)
+out = {}
+for dtype in ("float32", "float64"):
+    x = (rng.standard_normal((37, 203)) * 3 + 1).astype(dtype)
+    g, b = rng.standard_normal(203).astype(dtype), rng.standard_normal(203).astype(dtype)
+    y, cache = kernels.layernorm_forward(x, g, b, 1e-5)
+    dx, dg, db = kernels.layernorm_backward(y, cache)
+    r, rcache = kernels.rmsnorm_forward(x, g, 1e-5)
+    labels = rng.integers(0, 203, 37)
+    probs, total = kernels.cross_entropy_forward(x, labels, labels >= 0)
+    out.update({f"{dtype}-{k}": v for k, v in dict(y=y, dx=dx, dg=dg, db=db, r=r,
+                                                   rrms=rcache[1], probs=probs,
+                                                   total=np.array(total)).items()})
+np.savez(sys.argv[1], **out)
+"""
+
+
+@needs_numba
+def test_row_kernels_give_the_same_bits_on_another_cpu(tmp_path):
+    """The norms' and cross-entropy's sums (and the vectorized exp) are compiled for an AVX2
+    CPU in a second process (tools/other-cpu.sh's settings): every result must equal this
+    machine's bit for bit, whatever SIMD width each compiled for (the sums fix the order of
+    their additions in the source)."""
+    env_lines = subprocess.run(["bash", "tools/other-cpu.sh"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    other = dict(os.environ, **dict(line.split("=", 1) for line in env_lines),
+                 NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))
+    here = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache-here"))
+    results = {}
+    for name, env in (("here", here), ("other", other)):
+        path = tmp_path / f"{name}.npz"
+        subprocess.run([sys.executable, "-c", _ROW_KERNELS, str(path)], env=env, check=True,
+                       timeout=300)
+        results[name] = dict(np.load(path))
+    assert results["here"].keys() == results["other"].keys() and results["here"]
+    for key, value in results["here"].items():
+        assert np.array_equal(value, results["other"][key]), key

@@ -107,37 +107,88 @@ def _row_max(row, limit):
     return m
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+# The row sums below keep 8 running sums (element j goes to sum j mod 8) and add them in a
+# fixed tree at the end: LLVM may put the 8 sums in SIMD lanes, but the order of every
+# addition is the source's, so the result is the same on every CPU (a sum that LLVM may
+# reorder, fastmath's reassoc, follows whatever vector width it picks for the CPU). Each
+# returns float64 whatever the storage dtype.
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def _row_sum(row, limit):
-    """sum(row[:limit]) in float64, in whatever order LLVM's SIMD lanes add it."""
-    total = 0.0
-    for j in range(limit):
-        total += row[j]
-    return total
+    """sum(row[:limit]) in float64, in 8 interleaved partial sums."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    j = 0
+    while j + 8 <= limit:
+        s0 += row[j]
+        s1 += row[j + 1]
+        s2 += row[j + 2]
+        s3 += row[j + 3]
+        s4 += row[j + 4]
+        s5 += row[j + 5]
+        s6 += row[j + 6]
+        s7 += row[j + 7]
+        j += 8
+    for jj in range(j, limit):
+        s0 += row[jj]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+@njit(cache=True, nogil=True, error_model="numpy")
 def _row_squares(row, center):
-    """sum((row - center)^2) in float64, in whatever order LLVM's SIMD lanes add it."""
-    total = 0.0
-    for j in range(row.shape[0]):
-        c = np.float64(row[j]) - center
-        total += c * c
-    return total
+    """sum((row - center)^2) in float64, in 8 interleaved partial sums."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    n = row.shape[0]
+    j = 0
+    while j + 8 <= n:
+        c0 = np.float64(row[j]) - center
+        c1 = np.float64(row[j + 1]) - center
+        c2 = np.float64(row[j + 2]) - center
+        c3 = np.float64(row[j + 3]) - center
+        c4 = np.float64(row[j + 4]) - center
+        c5 = np.float64(row[j + 5]) - center
+        c6 = np.float64(row[j + 6]) - center
+        c7 = np.float64(row[j + 7]) - center
+        s0 += c0 * c0
+        s1 += c1 * c1
+        s2 += c2 * c2
+        s3 += c3 * c3
+        s4 += c4 * c4
+        s5 += c5 * c5
+        s6 += c6 * c6
+        s7 += c7 * c7
+        j += 8
+    for jj in range(j, n):
+        c = np.float64(row[jj]) - center
+        s0 += c * c
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+@njit(cache=True, nogil=True, error_model="numpy")
 def _row_gain_sums(dy, xhat, gamma):
-    """(sum(dy * gamma), sum(dy * gamma * xhat)) in float64, SIMD order."""
-    g_sum = 0.0
-    gx_sum = 0.0
-    for j in range(dy.shape[0]):
-        g = np.float64(dy[j]) * np.float64(gamma[j])
-        g_sum += g
-        gx_sum += g * np.float64(xhat[j])
-    return g_sum, gx_sum
-
-
+    """(sum(dy * gamma), sum(dy * gamma * xhat)) in float64, 4 interleaved partial sums each."""
+    g0 = g1 = g2 = g3 = 0.0
+    h0 = h1 = h2 = h3 = 0.0
+    n = dy.shape[0]
+    j = 0
+    while j + 4 <= n:
+        a0 = np.float64(dy[j]) * np.float64(gamma[j])
+        a1 = np.float64(dy[j + 1]) * np.float64(gamma[j + 1])
+        a2 = np.float64(dy[j + 2]) * np.float64(gamma[j + 2])
+        a3 = np.float64(dy[j + 3]) * np.float64(gamma[j + 3])
+        g0 += a0
+        g1 += a1
+        g2 += a2
+        g3 += a3
+        h0 += a0 * np.float64(xhat[j])
+        h1 += a1 * np.float64(xhat[j + 1])
+        h2 += a2 * np.float64(xhat[j + 2])
+        h3 += a3 * np.float64(xhat[j + 3])
+        j += 4
+    for jj in range(j, n):
+        a = np.float64(dy[jj]) * np.float64(gamma[jj])
+        g0 += a
+        h0 += a * np.float64(xhat[jj])
+    return (g0 + g1) + (g2 + g3), (h0 + h1) + (h2 + h3)
 
 
 # -- GELU: x [n] -> y [n]; dy, x [n] -> dx [n] (flat views of contiguous arrays) ----------
