@@ -38,7 +38,6 @@ median rate of other processes' CPU use over all windows of the row, kept or dro
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import inspect
 import json
@@ -226,12 +225,7 @@ def memory_bandwidth(n_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
 def _fix_malloc():
     """Make glibc return every freed block of 64 KiB or more to the system at once, so that
     resident memory follows what is allocated (otherwise freed blocks linger in the heap)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)     # M_MMAP_THRESHOLD (also stops its dynamic growth)
-        libc.mallopt(-1, 128 * 1024)    # M_TRIM_THRESHOLD
-    except OSError:
-        pass
+    kernels.set_malloc_thresholds(64 * 1024, 128 * 1024)
 
 
 def _status_kib(field: str) -> int:
