@@ -424,6 +424,11 @@ def test_tiled_attention_rejects_bad_input(rng):
         kernels.tiled_attention_forward(q, q[:, :, :3].copy(), q[:, :, :3].copy(), True, 0.5)
     with pytest.raises(ValueError, match="lse must have shape"):
         kernels.tiled_attention_backward(q, q, q, q, q, np.zeros((1, 2, 5)), False, 0.5)
+    lse = np.zeros((1, 2, 6))
+    with pytest.raises(ValueError, match="dout must be contiguous along its last axis"):
+        kernels.tiled_attention_backward(np.asfortranarray(q), q, q, q, q, lse, False, 0.5)
+    with pytest.raises(ValueError, match="out must be contiguous along its last axis"):
+        kernels.tiled_attention_backward(q, q, q, q, np.asfortranarray(q), lse, False, 0.5)
 
 
 @needs_numba
