@@ -73,6 +73,7 @@ def main(argv=None):
         pkg = importlib.import_module(name)
         pkg.bench = importlib.import_module(name + ".bench")
         packages[label] = pkg
+    importlib.import_module("tfcore.kernels").keep_freed_memory()   # as tfcore.bench does
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(f"A = {args.base}, B = working tree; {args.clock} clock, min (median) ms per step "
           f"over {args.rounds} alternated rounds")

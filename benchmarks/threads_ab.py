@@ -13,7 +13,10 @@ same inputs (wall clock, minimum over the rounds):
   split  the op split in 2 over the pool (each share single-threaded)
   blas2  products only: one call of a 2-thread BLAS (NumPy's own way)
 
-and prints split / one (below 1: the split pays) beside what the thresholds choose. On a
+and prints split / one (below 1: the split pays) beside what the thresholds choose. blas2 is
+timed after the other two, and followed by a pause: once OpenBLAS has run on 2 threads its
+own threads spin for a while, and on a 2-core machine a split run meanwhile found its second
+core taken (the split then took as long as one thread, which made it look useless). On a
 quiet 2-core machine the thresholds are right when every op they keep whole has
 split / one near or above 1 and every op they split has it below 1. On a busy machine the
 figures mean nothing (a worker that waits for a core makes every split look bad).
@@ -27,6 +30,8 @@ import time
 import numpy as np
 
 from tfcore import bench, kernels
+
+BLAS_THREADS_SETTLE = 1.0   # seconds: OpenBLAS's threads stop spinning well within this
 
 
 def timed(fn):
@@ -115,8 +120,10 @@ def main(argv=None):
                         for mode in ("one", "split"):
                             policy(mode == "split")
                             best[mode] = min(best[mode], timed(fn))
-                        if blas2 is not None:
+                    if blas2 is not None:          # after the others: see the docstring
+                        for _ in range(args.rounds):
                             best["blas2"] = min(best["blas2"], timed(blas2))
+                        time.sleep(BLAS_THREADS_SETTLE)
                     b2 = f"{1e3 * best['blas2']:8.3f}" if blas2 is not None else f"{'':8s}"
                     print(f"{name[:6]:6s} {label:37s} {dtype:8s} {1e3 * best['one']:8.3f} "
                           f"{1e3 * best['split']:8.3f} {b2} "

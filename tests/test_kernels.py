@@ -781,6 +781,32 @@ def test_linear_backward_can_overwrite_its_input(rng, monkeypatch, dtype, thread
         assert np.array_equal(a, b)
 
 
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_linear_backward_adds_into_the_gradients_it_is_given(rng, monkeypatch, dtype,
+                                                              threads, has_bias):
+    """grads=(gW, gb): dW and db are added into gW and gb (what was there is kept) and not
+    returned; dx is the same as without grads. On 2 threads the additions run inside the
+    two threads' shares."""
+    monkeypatch.setattr(kernels, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    x, W = randn(rng, (3, 40, 24), dtype), randn(rng, (24, 16), dtype)
+    dy = randn(rng, (3, 40, 16), dtype)
+    dx, dW, db = kernels.linear_backward(dy, x, W, has_bias)
+    gW, gb = randn(rng, (24, 16), dtype), randn(rng, (16,), dtype)
+    gW_before, gb_before = gW.copy(), gb.copy()
+    out = kernels.linear_backward(dy, x, W, has_bias, grads=(gW, gb if has_bias else None))
+    assert out[1] is None and out[2] is None
+    assert np.array_equal(out[0], dx)
+    assert np.array_equal(gW, gW_before + dW)
+    if has_bias:
+        assert np.array_equal(gb, gb_before + db)
+    else:
+        assert db is None and np.array_equal(gb, gb_before)
+
 @needs_numba
 def test_an_idle_worker_holds_no_reference_to_the_last_call():
     """Once a fork/join is done, the arrays of its shares are freed with the caller's

@@ -7,7 +7,9 @@
     python -m tfcore.bench --show benchmarks/results.json      # print a saved table again
 
 A step is forward + backward + AdamW of a GPT-style DecoderLM (pre-LayerNorm, learned
-positions, tanh GELU, tied head). With PyTorch installed (the CPU build:
+positions, tanh GELU, tied head), with each library's fused attention by default: tfcore's
+attention="tiled" (--tfcore-attention dense keeps the [B, H, S, S] scores) and PyTorch's
+scaled_dot_product_attention (--torch-attention math writes softmax(QK^T)V out). With PyTorch installed (the CPU build:
 `pip install torch==2.13.0+cpu`), the same model is built in PyTorch eager with the same
 weights and tokens, the two losses must agree, and the two steps are timed alternately in
 one process, so that whatever the machine does falls on both.
@@ -727,9 +729,10 @@ def parse_args(argv=None):
     parser.add_argument("--torch-attention", choices=["sdpa", "math"], default="sdpa",
                         help="PyTorch's scaled_dot_product_attention (default) or "
                              "softmax(QK^T)V written out")
-    parser.add_argument("--tfcore-attention", choices=["dense", "tiled"], default="dense",
-                        help="tfcore's decoder with dense attention (default) or "
-                             "attention='tiled' (online softmax, the fused kernel on NumPy)")
+    parser.add_argument("--tfcore-attention", choices=["dense", "tiled"], default="tiled",
+                        help="tfcore's decoder with attention='tiled' (default: online "
+                             "softmax, the fused kernel, as PyTorch's default is its fused "
+                             "attention) or dense (the [B, H, S, S] scores kept)")
     parser.add_argument("--profile", action="store_true", help="op-by-op profile of tfcore")
     parser.add_argument("--json", metavar="PATH", help="also save the table as JSON here")
     parser.add_argument("--show", metavar="PATH", help="print a saved table and exit")

@@ -228,12 +228,13 @@ def linear_backward(params: Parameters, name: str, dy, cache, overwrite_input: b
     overwrite_input=True: the caller needs the cached input no more, and the fused kernel may
     write dx over it (one input-sized array fewer at the backward's peak)."""
     x, W, has_bias = cache
+    grads = params._grads
     if (kernels.applies(dy, x, W, contiguous=False)
             and dy.shape == x.shape[:-1] + (W.shape[1],)):
-        dx, dW, db = kernels.linear_backward(dy, x, W, has_bias, overwrite_x=overwrite_input)
-    else:
-        dx, dW, db = F.linear_backward(dy, cache)
-    grads = params._grads
+        into = (grads[name + ".W"], grads[name + ".b"] if has_bias else None)
+        return kernels.linear_backward(dy, x, W, has_bias, overwrite_x=overwrite_input,
+                                       grads=into)[0]
+    dx, dW, db = F.linear_backward(dy, cache)
     view = grads[name + ".W"]
     view += dW
     if db is not None:

@@ -293,6 +293,18 @@ def _chunked(fn, n, threads, dtype, n_scratch, arrays, extra, chunk):
     _on_threads([(share, bounds) for bounds in _bounds(n, parts)])
 
 
+def add(a, b):
+    """a + b -> a new array (a, b C-contiguous, of one shape and dtype), split over the
+    threads as the row-wise ops are: the same halves of the rows, so that the rows a thread
+    adds are in its cache when the next op (the residual sum's norm) gives it the same rows."""
+    out = np.empty_like(a)
+    flat = (a.reshape(-1), b.reshape(-1), out.reshape(-1))
+    n = out.size
+    parts = _parts(n, MIN_ELEMENTS_PER_THREAD, n)
+    _on_threads([(np.add, tuple(f[lo:hi] for f in flat)) for lo, hi in _bounds(n, parts)])
+    return out
+
+
 def gelu_forward(x, approximate):
     """x [...] -> y [...] (the reference's cache is (x, approximate))."""
     y = np.empty_like(x)
@@ -715,31 +727,59 @@ def linear_forward(x, W, b):
     return y
 
 
-def linear_backward(dy, x, W, has_bias, overwrite_x=False):
+def linear_backward(dy, x, W, has_bias, overwrite_x=False, grads=None):
     """-> dx = dy W^T [..., D_in], dW = x^T dy [D_in, D_out], db [D_out] or None.
 
     On 2 threads the two products (the same FLOPs) run side by side, each whole on its own
     thread: one fork/join where splitting each would take two, and BLAS on full-size
     products; on more threads each product is split over all of them in turn.
     overwrite_x=True (x C-contiguous and no longer needed by the caller): dW is made first,
-    then dx is written over x, one [..., D_in] array fewer at this point of the backward."""
+    then dx is written over x, one [..., D_in] array fewer at this point of the backward.
+    grads=(gW [D_in, D_out], gb [D_out] or None): dW and db are added into these instead of
+    returned (-> dx, None, None); on 2 threads each thread adds what it made while it is in
+    its cache (gb on dx's thread, which reads dy too), rather than after the join."""
     d_in, d_out = W.shape
     dy_rows, x_rows = dy.reshape(-1, d_out), x.reshape(-1, d_in)  # [N, D_out], [N, D_in]
     overwrite_x = overwrite_x and x.flags.c_contiguous and x.dtype == dy.dtype
     dx = x if overwrite_x else np.empty(x.shape, dtype=dy.dtype)
     dW = np.empty(W.shape, dtype=np.result_type(x, dy))
+    gW, gb = grads if grads is not None else (None, None)
+    db = None
     flops = 2 * dy_rows.shape[0] * d_in * d_out                   # of each product
     if _threads() == 2 and flops >= MIN_GEMM_FLOPS_PER_THREAD and not overwrite_x:
         record_matmul("linear", dy_rows.shape, W.T.shape)
         record_matmul("linear", x_rows.T.shape, dy_rows.shape)
         with single_threaded_blas():
-            _on_threads([(_matmul_into, (dy_rows, W.T, dx.reshape(-1, d_in))),
-                         (_matmul_into, (x_rows.T, dy_rows, dW))])
+            _on_threads([(_input_gradient, (dy_rows, W, dx.reshape(-1, d_in), has_bias, gb)),
+                         (_weight_gradient, (x_rows, dy_rows, dW, gW))])
     else:
         matmul(x_rows.T, dy_rows, out=dW)                         # [D_in, N] @ [N, D_out]
         matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))            # x is read by now
-    db = dy_rows.sum(axis=0) if has_bias else None
+        if gW is not None:
+            gW += dW
+        if has_bias:
+            db = dy_rows.sum(axis=0)
+            if gb is not None:
+                gb += db
+    if grads is not None:
+        return dx, None, None
+    if has_bias and db is None:
+        db = dy_rows.sum(axis=0)
     return dx, dW, db
+
+
+def _input_gradient(dy_rows, W, dx_rows, has_bias, gb):
+    """dx = dy W^T; gb += sum of dy's rows (when gb is given and there is a bias)."""
+    np.matmul(dy_rows, W.T, out=dx_rows)
+    if has_bias and gb is not None:
+        gb += dy_rows.sum(axis=0)
+
+
+def _weight_gradient(x_rows, dy_rows, dW, gW):
+    """dW = x^T dy; gW += dW (when gW is given)."""
+    np.matmul(x_rows.T, dy_rows, out=dW)
+    if gW is not None:
+        gW += dW
 
 
 # -- attention: the matmuls stay BLAS; scale, mask and softmax become one in-place pass ------

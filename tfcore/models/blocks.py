@@ -105,8 +105,16 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
 def _add(x, fx):
     """x + fx [...]: residual_forward's sum."""
     if kernels.applies(x, fx, contiguous=False) and x.shape == fx.shape:
-        return x + fx
+        return _sum(x, fx)
     return F.residual_forward(x, fx)[0]
+
+
+def _sum(a, b):
+    """a + b: a residual sum, or a skip's gradient plus its branch's, over the kernels'
+    threads where they take the arrays (see kernels.add)."""
+    if kernels.applies(a, b) and a.shape == b.shape:
+        return kernels.add(a, b)
+    return a + b
 
 
 def _split_grad(dy):
@@ -411,17 +419,20 @@ def block_backward(params, prefix, dy, cache, spec):
     if spec.placement == "pre":
         dx1, dm = _split_grad(dy)                                     # y = x1 + m
         dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
-        dx1 = dx1 + nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2), spec.norm)
+        dx1 = _sum(dx1, nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2),
+                                         spec.norm))
         del dh
         dx, da = _split_grad(dx1)                                     # x1 = x + a
         dh = attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
-        return dx + nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0), spec.norm)
+        return _sum(dx, nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0),
+                                         spec.norm))
     ds2 = nn.norm_backward(params, prefix + ".ln2", dy, take(caches, 2), spec.norm)  # norm2(s2)
     dx1, dm = _split_grad(ds2)                                        # s2 = x1 + m
-    dx1 = dx1 + mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
+    dx1 = _sum(dx1, mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec))
     ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, take(caches, 0), spec.norm)  # norm1(s1)
     dx, da = _split_grad(ds1)                                         # s1 = x + a
-    return dx + attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
+    return _sum(dx, attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1),
+                                                spec))
 
 
 def _block_backward_without_skips(params, prefix, dy, cache, spec):
