@@ -786,11 +786,12 @@ def test_linear_backward_can_overwrite_its_input(rng, monkeypatch, dtype, thread
 @DTYPES
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("overwrite", [False, True])
 def test_linear_backward_adds_into_the_gradients_it_is_given(rng, monkeypatch, dtype,
-                                                              threads, has_bias):
+                                                              threads, has_bias, overwrite):
     """grads=(gW, gb): dW and db are added into gW and gb (what was there is kept) and not
-    returned; dx is the same as without grads. On 2 threads the additions run inside the
-    two threads' shares."""
+    returned; dx is the same as without grads. The additions run inside the threads'
+    shares (of the two products side by side, or of dW's rows when dx overwrites x)."""
     monkeypatch.setattr(kernels, "_threads", lambda: threads)
     monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     x, W = randn(rng, (3, 40, 24), dtype), randn(rng, (24, 16), dtype)
@@ -798,7 +799,8 @@ def test_linear_backward_adds_into_the_gradients_it_is_given(rng, monkeypatch, d
     dx, dW, db = kernels.linear_backward(dy, x, W, has_bias)
     gW, gb = randn(rng, (24, 16), dtype), randn(rng, (16,), dtype)
     gW_before, gb_before = gW.copy(), gb.copy()
-    out = kernels.linear_backward(dy, x, W, has_bias, grads=(gW, gb if has_bias else None))
+    out = kernels.linear_backward(dy, x.copy(), W, has_bias, overwrite_x=overwrite,
+                                  grads=(gW, gb if has_bias else None))
     assert out[1] is None and out[2] is None
     assert np.array_equal(out[0], dx)
     assert np.array_equal(gW, gW_before + dW)
@@ -806,6 +808,27 @@ def test_linear_backward_adds_into_the_gradients_it_is_given(rng, monkeypatch, d
         assert np.array_equal(gb, gb_before + db)
     else:
         assert db is None and np.array_equal(gb, gb_before)
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_and_matmul_into_split_over_threads(rng, monkeypatch, dtype, threads):
+    """kernels.add(a, b) is a + b in a new array (the same bits: each element is one
+    addition, on whichever thread), and matmul(a, b, into=c) adds the out it writes into c."""
+    monkeypatch.setattr(kernels, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    a, b = randn(rng, (5, 7, 3), dtype), randn(rng, (5, 7, 3), dtype)
+    total = kernels.add(a, b)
+    assert not np.shares_memory(total, a) and not np.shares_memory(total, b)
+    assert np.array_equal(total, a + b)
+    x, w, c = randn(rng, (9, 4), dtype), randn(rng, (4, 6), dtype), randn(rng, (9, 6), dtype)
+    c_before, out = c.copy(), np.empty((9, 6), dtype)
+    kernels.matmul(x, w, out=out, into=c)
+    assert np.allclose(out, x @ w, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(c, c_before + out)
+
 
 @needs_numba
 def test_an_idle_worker_holds_no_reference_to_the_last_call():

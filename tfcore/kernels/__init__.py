@@ -685,38 +685,42 @@ def batched_matmul(a, b, out=None, label="attention"):
     return _split_matmul(a, b, out, axis, threads)
 
 
-def matmul(a, b, out=None, label="linear", bias=None):
+def matmul(a, b, out=None, label="linear", bias=None, into=None):
     """a [m, k] @ b [k, n] (+ bias [n]) -> out [m, n], the rows of a split over the threads
-    (each thread adds the bias to its own rows, while they are in its cache)."""
+    (each thread adds the bias to its own rows, while they are in its cache); into [m, n]:
+    each thread then adds its rows of out into it too."""
     record_matmul(label, a.shape, b.shape)
     if out is None:
         out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
-    return _split_matmul(a, b, out, 0, _threads(), bias)
+    return _split_matmul(a, b, out, 0, _threads(), bias, into)
 
 
-def _split_matmul(a, b, out, axis, threads, bias=None):
-    """np.matmul(a, b, out=out) (+ bias) on a single-threaded BLAS, with axis `axis` of a and
-    out split into shares of at least MIN_GEMM_FLOPS_PER_THREAD flops, one per thread (b is
-    shared when it is 2-D)."""
+def _split_matmul(a, b, out, axis, threads, bias=None, into=None):
+    """np.matmul(a, b, out=out) (+ bias; into += out) on a single-threaded BLAS, with axis
+    `axis` of a and out (and into) split into shares of at least MIN_GEMM_FLOPS_PER_THREAD
+    flops, one per thread (b is shared when it is 2-D)."""
     flops = 2 * a.size * b.shape[-1]
     parts = _parts(flops, MIN_GEMM_FLOPS_PER_THREAD, a.shape[axis], threads)
     with single_threaded_blas():
         if parts == 1:
-            _matmul_into(a, b, out, bias)
+            _matmul_into(a, b, out, bias, into)
             return out
         shared_b = b.ndim == 2
         calls = []
         for lo, hi in _bounds(a.shape[axis], parts):
             p = (slice(lo, hi),) if axis == 0 else (slice(None), slice(lo, hi))
-            calls.append((_matmul_into, (a[p], b if shared_b else b[p], out[p], bias)))
+            calls.append((_matmul_into, (a[p], b if shared_b else b[p], out[p], bias,
+                                         None if into is None else into[p])))
         _on_threads(calls)
     return out
 
 
-def _matmul_into(a, b, out, bias=None):
+def _matmul_into(a, b, out, bias=None, into=None):
     np.matmul(a, b, out=out)
     if bias is not None:
         out += bias
+    if into is not None:
+        into += out
 
 
 def linear_forward(x, W, b):
@@ -736,8 +740,8 @@ def linear_backward(dy, x, W, has_bias, overwrite_x=False, grads=None):
     overwrite_x=True (x C-contiguous and no longer needed by the caller): dW is made first,
     then dx is written over x, one [..., D_in] array fewer at this point of the backward.
     grads=(gW [D_in, D_out], gb [D_out] or None): dW and db are added into these instead of
-    returned (-> dx, None, None); on 2 threads each thread adds what it made while it is in
-    its cache (gb on dx's thread, which reads dy too), rather than after the join."""
+    returned (-> dx, None, None); each thread adds its share of dW while it is in its cache,
+    rather than after the join (on 2 threads gb too, on dx's thread, which reads dy)."""
     d_in, d_out = W.shape
     dy_rows, x_rows = dy.reshape(-1, d_out), x.reshape(-1, d_in)  # [N, D_out], [N, D_in]
     overwrite_x = overwrite_x and x.flags.c_contiguous and x.dtype == dy.dtype
@@ -753,10 +757,8 @@ def linear_backward(dy, x, W, has_bias, overwrite_x=False, grads=None):
             _on_threads([(_input_gradient, (dy_rows, W, dx.reshape(-1, d_in), has_bias, gb)),
                          (_weight_gradient, (x_rows, dy_rows, dW, gW))])
     else:
-        matmul(x_rows.T, dy_rows, out=dW)                         # [D_in, N] @ [N, D_out]
+        matmul(x_rows.T, dy_rows, out=dW, into=gW)                # [D_in, N] @ [N, D_out]
         matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))            # x is read by now
-        if gW is not None:
-            gW += dW
         if has_bias:
             db = dy_rows.sum(axis=0)
             if gb is not None:
