@@ -846,6 +846,77 @@ def test_an_idle_worker_holds_no_reference_to_the_last_call():
     assert alive() is None
 
 
+
+@needs_numba
+@DTYPES
+def test_a_product_on_the_worker_has_the_bits_of_the_same_product_in_python(rng, monkeypatch,
+                                                                            dtype):
+    """The worker runs a share of a product from compiled code through the BLAS NumPy calls,
+    with NumPy's own arguments: the same bits as np.matmul on that share, whatever the
+    layout (transposed operands, a bias, an accumulation into another array), and shares
+    BLAS would not take as they lie go to the worker as Python calls."""
+    monkeypatch.setattr(kernels, "_threads", lambda: 2)
+    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    kernels._sp()
+    if not kernels._gemm_addresses:
+        pytest.skip("NumPy's BLAS has no 64-bit-integer C interface here")
+    x, w = randn(rng, (37, 19), dtype), randn(rng, (19, 23), dtype)
+    bias, into = randn(rng, (23,), dtype), randn(rng, (37, 23), dtype)
+    cases = [(x, w), (randn(rng, (19, 37), dtype).T, w), (x, randn(rng, (23, 19), dtype).T),
+             (x[:, ::2], w[::2])]                      # no unit stride: a Python call
+    slots = np.zeros_like(kernels._thread_pool(2)[0].args)
+    assert kernels._product_args(slots, *cases[1], np.empty((37, 23), dtype))
+    assert not kernels._product_args(slots, *cases[3], np.empty((37, 23), dtype))
+    for a, b in cases:
+        results = []
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(kernels, "_gemm_addresses", ())
+            acc = into.copy()
+            out = kernels.matmul(a, b, bias=bias, into=acc)
+            results.append((out, acc))
+        (out, acc), (out_py, acc_py) = results
+        assert np.array_equal(out, out_py) and np.array_equal(acc, acc_py)
+        half = a.shape[0] // 2
+        assert np.array_equal(out[half:], np.matmul(a[half:], b) + bias)
+        assert np.array_equal(acc, into + out)
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels, "_threads", lambda: 2)
+        monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+
+
+@needs_numba
+@pytest.mark.parametrize("spin_cycles", [0, 2 ** 20])
+def test_the_worker_and_its_caller_wake_each_other_from_sleep(monkeypatch, spin_cycles):
+    """Without polling (SPIN_CYCLES = 0) every hand-over goes through the semaphores, and
+    with polling a share longer than the poll puts the caller to sleep: either way each
+    share runs once and the fork/join returns (a lost wake-up would leave it waiting)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(kernels, "SPIN_CYCLES", spin_cycles)
+    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    ran, products = [], []
+
+    def hand_overs():
+        for pause in (0.0, 0.02, 0.0, 0.03):
+            kernels._on_threads([(ran.append, ("caller",)),
+                                 (lambda p=pause: (time.sleep(p), ran.append("worker")), ())])
+            time.sleep(0.01)                             # the worker goes idle, then sleeps
+        a, b = np.ones((64, 32)), np.full((32, 48), 2.0)
+        for pause in (0.0, 0.01) * 10:                   # products: compiled on the worker
+            products.append(kernels._split_matmul(a, b, np.empty((64, 48)), 0, 2))
+            time.sleep(pause)
+
+    runner = threading.Thread(target=hand_overs, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "a fork/join never returned"
+    assert ran.count("caller") == 4 and ran.count("worker") == 4
+    assert len(products) == 20
+    assert all(np.array_equal(out, np.full((64, 48), 64.0)) for out in products)
+
+
 _ROW_KERNELS = """
 import sys
 import numpy as np

@@ -492,6 +492,9 @@ def warm_up(dtypes=("float32", "float64")) -> float:
         adamw_update(flat, flat, flat.copy(), flat * 0, 1e-3, 0.9, 0.99, 1e-8, 0.1, 0.1, 0.01,
                      np.ones_like(flat))
         embedding_backward(x, labels, (3, 4))
+        if _threads() > 1:                   # the worker's compiled half, on a split product
+            a, b, out = x.reshape(6, 4), x.reshape(4, 6), np.empty((6, 6), dtype=name)
+            _on_threads([(_matmul_into, (a[:3], b, out[:3])), (_matmul_into, (a[3:], b, out[3:]))])
     return time.perf_counter() - start
 
 
@@ -501,22 +504,26 @@ def warm_up(dtypes=("float32", "float64")) -> float:
 # every join waits for the slowest thread, and the attention's products ran 10-25 times
 # slower with 2 BLAS threads than with 1. So every product of the kernels runs on a
 # single-threaded BLAS, and the batch (or the rows) is split over the threads of one pool
-# (the same pool runs the Numba loops and the GELU chunks): one fork/join per product, and
-# idle workers that sleep instead of spinning (OpenBLAS's and OpenMP's idle threads spin for
-# milliseconds, and on 2 cores a spinning thread takes the core another one needs).
+# (the same pool runs the Numba loops and the GELU chunks): one fork/join per product.
 #
-# A fork/join costs some 40-60 microseconds on a quiet 2-core virtual machine (hand the share
-# to a worker, the system waking its thread, the GIL passed back and forth; a pool of
-# ThreadPoolExecutor cost 70). An op is split only when each thread's share is worth about as
-# much: a GEMM share of MIN_GEMM_FLOPS_PER_THREAD flops (about 45 microseconds of one core at
-# 90 GFLOP/s float32), an element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements
-# (0.05-0.3 ms at 1-5 ns per element); below that the op runs on the calling thread alone,
-# with no fork/join at all. These thresholds took the tiny benchmark step at 2 threads from
-# 16.2 to 15.1 ms (float32) and from 35 to 24 ms (float64) against 2^25 and 2^17, with the
-# small one unchanged (benchmarks/threads_ab.py measures such settings).
+# A fork/join through sleeping Python threads cost some 90 microseconds on a quiet 2-core
+# virtual machine, whose idle CPUs halt at once: the system woke the worker (about 40), and
+# the caller again when it had gone to sleep waiting for the worker's share. So the worker
+# and the waiting caller poll for SPIN_CYCLES CPU cycles (some 0.3-0.5 ms) before they
+# sleep, and a product's share runs on the worker from compiled code, without the GIL (see
+# _spin); at 2 threads this took the tiny benchmark step about 6% faster, the small one 1%.
+# A spinning thread takes a core: on a machine shared with other busy processes, set
+# SPIN_CYCLES to 0 (each side then sleeps at once, as before).
+#
+# An op is split only when each thread's share is worth a fork/join: a GEMM share of
+# MIN_GEMM_FLOPS_PER_THREAD flops (about 45 microseconds of one core at 90 GFLOP/s float32),
+# an element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements (0.05-0.3 ms at 1-5
+# ns per element); below that the op runs on the calling thread alone, with no fork/join at
+# all (benchmarks/threads_ab.py measures where splitting pays).
 
 MIN_GEMM_FLOPS_PER_THREAD = 2 ** 22
 MIN_ELEMENTS_PER_THREAD = 2 ** 16
+SPIN_CYCLES = 2 ** 20     # how long a waiting thread polls before it sleeps
 
 _pool: list = []     # the worker threads, made on first use
 _pool_lock = threading.Lock()
@@ -579,39 +586,142 @@ def _on_threads(calls) -> None:
 
 
 class _Worker:
-    """One thread that runs a call whenever it is handed one: two locks, no queue, no future
-    (a fork/join through a ThreadPoolExecutor cost 70 microseconds here, this one 50: the
-    rest is the operating system waking a sleeping thread)."""
+    """One thread that runs the shares handed to it, one at a time (see _spin): a product is
+    run from compiled code without the GIL, anything else as a Python call. The worker and
+    the caller waiting for it each poll for SPIN_CYCLES CPU cycles before they sleep on a
+    semaphore; a flag in the control block tells the other side to post it."""
 
     def __init__(self, name):
-        self._go, self._done = threading.Lock(), threading.Lock()
-        self._go.acquire()
-        self._done.acquire()
+        self.control = np.zeros(_sp().CONTROL_SLOTS, dtype=np.int64)
+        self.args = np.zeros(_sp().ARG_SLOTS, dtype=np.int64)
+        self._wake_worker, self._wake_caller = threading.Semaphore(0), threading.Semaphore(0)
+        self._task = 0
         self._call = self._error = None
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def _loop(self):
+        sp, control = _sp(), self.control
+        like32, like64 = np.empty(0, np.float32), np.empty(0, np.float64)
+        done = 0
         while True:
-            self._go.acquire()
-            fn, args = self._call
-            try:
-                fn(*args)
-            except BaseException as error:      # handed to the caller by wait()
-                self._error = error
-            # hold no reference to the call's arrays while idle (they are freed with the
-            # caller's, not at the next call)
-            self._call = fn = args = None
-            self._done.release()
+            code = sp.serve(control, self.args, done, SPIN_CYCLES, like32, like64)
+            done = 0
+            if code == sp.WAKE_CALLER:
+                self._wake_caller.release()
+            elif code == sp.IDLE:
+                sp.store(control, sp.WORKER_SLEEPS, 1)
+                if sp.load(control, sp.POSTED) == sp.load(control, sp.DONE):
+                    self._wake_worker.acquire()        # nothing posted since: sleep
+                sp.store(control, sp.WORKER_SLEEPS, 0)
+            else:                                      # task `code` is a Python call
+                fn, args = self._call
+                try:
+                    fn(*args)
+                except BaseException as error:         # handed to the caller by wait()
+                    self._error = error
+                # hold no reference to the call's arrays while idle (they are freed with
+                # the caller's, not at the next call)
+                self._call = fn = args = None
+                done = code                            # marked done by serve, GIL released
+
+    def _post(self, kind):
+        sp, control = _sp(), self.control
+        self._task += 1
+        sp.store(control, sp.KIND, kind)
+        sp.store(control, sp.POSTED, self._task)
+        if sp.load(control, sp.WORKER_SLEEPS):
+            self._wake_worker.release()
 
     def start(self, call):
-        self._call = call
-        self._go.release()
+        """Hand the worker fn(*args) for call = (fn, args); a product _matmul_into(a, b, out,
+        bias, into) goes to the compiled side when BLAS takes its arrays as they lie."""
+        fn, args = call
+        if fn is _matmul_into and _product_args(self.args, *args):
+            self._post(_sp().PRODUCT)
+        else:
+            self._call = call
+            self._post(_sp().PYTHON_CALL)
 
     def wait(self):
-        """Block until the call handed to start() is done -> its exception or None."""
-        self._done.acquire()
+        """Block until the task handed to start() is done -> its exception or None."""
+        sp, control, task = _sp(), self.control, self._task
+        if not sp.wait_done(control, task, SPIN_CYCLES):
+            sp.store(control, sp.CALLER_SLEEPS, 1)
+            while sp.load(control, sp.DONE) != task:
+                self._wake_caller.acquire()
+            sp.store(control, sp.CALLER_SLEEPS, 0)
         error, self._error = self._error, None
         return error
+
+
+_sp_module = None
+_gemm_addresses = None
+
+
+def _sp():
+    global _sp_module, _gemm_addresses
+    if _sp_module is None:
+        _writable_numba_cache()
+        from . import _spin as module
+
+        _gemm_addresses = module.blas_gemm_addresses() or ()
+        _sp_module = module
+    return _sp_module
+
+
+def _blas_matrix(x):
+    """(transposed, leading dimension) with which NumPy's matmul hands the 2-D view x to
+    BLAS (the same test as NumPy's is_blasable2d), or None where it would not."""
+    size = x.itemsize
+    (s0, s1), (d0, d1) = x.strides, x.shape
+    if s1 == size and s0 % size == 0 and s0 // size >= d1:
+        return False, s0 // size
+    if s0 == size and s1 % size == 0 and s1 // size >= d0:
+        return True, s1 // size
+    return None
+
+
+def _product_args(slots, a, b, out, bias=None, into=None) -> bool:
+    """Fill `slots` with the cblas arguments of out = a @ b (+ bias; into += out), as NumPy's
+    matmul would pass them (so that the worker's share has the bits NumPy's would), and
+    return True; False where the compiled side does not take these arrays (then the share
+    runs as a Python call)."""
+    if not _gemm_addresses or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+        return False
+    dtype = out.dtype
+    if not (a.dtype == b.dtype == dtype) or dtype not in _FLOATS:
+        return False
+    (m, k), n = a.shape, b.shape[1]
+    if min(m, n, k) < 2 or a.ctypes.data == b.ctypes.data:   # NumPy: gemv, syrk there
+        return False
+    layout_a, layout_b, layout_out = _blas_matrix(a), _blas_matrix(b), _blas_matrix(out)
+    if layout_a is None or layout_b is None or layout_out is None or layout_out[0]:
+        return False
+    for extra in (bias, into):
+        if extra is not None and (extra.dtype != dtype or extra.strides[-1] != dtype.itemsize):
+            return False
+    if bias is not None and bias.shape != (n,):
+        return False
+    if into is not None and (into.shape != (m, n) or _blas_matrix(into) is None
+                             or _blas_matrix(into)[0]):
+        return False
+    sp = _sp()
+    double = dtype == np.float64
+    slots[:] = 0
+    slots[sp.ORDER] = sp.ROW_MAJOR
+    slots[sp.TRANS_A] = sp.TRANS if layout_a[0] else sp.NO_TRANS
+    slots[sp.TRANS_B] = sp.TRANS if layout_b[0] else sp.NO_TRANS
+    slots[sp.M], slots[sp.N], slots[sp.K] = m, n, k
+    slots[sp.A], slots[sp.LDA] = a.ctypes.data, layout_a[1]
+    slots[sp.B], slots[sp.LDB] = b.ctypes.data, layout_b[1]
+    slots[sp.C], slots[sp.LDC] = out.ctypes.data, layout_out[1]
+    slots[sp.FUNCTION] = _gemm_addresses[1 if double else 0]
+    slots[sp.DOUBLE] = int(double)
+    if bias is not None:
+        slots[sp.BIAS] = bias.ctypes.data
+    if into is not None:
+        slots[sp.INTO], slots[sp.LD_INTO] = into.ctypes.data, _blas_matrix(into)[1]
+    return True
 
 
 def _split(share, n_rows: int, row_width: int) -> None:
@@ -755,7 +865,7 @@ def linear_backward(dy, x, W, has_bias, overwrite_x=False, grads=None):
         record_matmul("linear", x_rows.T.shape, dy_rows.shape)
         with single_threaded_blas():
             _on_threads([(_input_gradient, (dy_rows, W, dx.reshape(-1, d_in), has_bias, gb)),
-                         (_weight_gradient, (x_rows, dy_rows, dW, gW))])
+                         (_matmul_into, (x_rows.T, dy_rows, dW, None, gW))])
     else:
         matmul(x_rows.T, dy_rows, out=dW, into=gW)                # [D_in, N] @ [N, D_out]
         matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))            # x is read by now
@@ -775,13 +885,6 @@ def _input_gradient(dy_rows, W, dx_rows, has_bias, gb):
     np.matmul(dy_rows, W.T, out=dx_rows)
     if has_bias and gb is not None:
         gb += dy_rows.sum(axis=0)
-
-
-def _weight_gradient(x_rows, dy_rows, dW, gW):
-    """dW = x^T dy; gW += dW (when gW is given)."""
-    np.matmul(x_rows.T, dy_rows, out=dW)
-    if gW is not None:
-        gW += dW
 
 
 # -- attention: the matmuls stay BLAS; scale, mask and softmax become one in-place pass ------
