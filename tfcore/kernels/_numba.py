@@ -498,7 +498,8 @@ def attention_forward_block(s, scale, shift, m, l, alpha):
     factor exp(m_old - m_new) that rescales what was summed before.
 
     Three passes over the block (maxima; exp; masks and sums): as one pass over each row,
-    LLVM kept the exp loop from running at full width (1.6 times slower)."""
+    LLVM kept the exp loop from running at full width (1.6 times slower). The exp stops at
+    the causal limit of each row (the entries past it are zeroed, not computed)."""
     batch, heads, bq, bk = s.shape
     for b in range(batch):
         for h in range(heads):
@@ -511,7 +512,8 @@ def attention_forward_block(s, scale, shift, m, l, alpha):
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
-                exp_rows_into(s[b, h, i], bk, scale, m[b, h, i])  # whole rows: SIMD
+                limit = min(max(i + shift + 1, 0), bk)
+                exp_rows_into(s[b, h, i], limit, scale, m[b, h, i])  # one SIMD loop a row
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
@@ -556,9 +558,9 @@ def attention_backward_block(s, dp, lse, delta, scale, shift):
             for i in range(bq):
                 row, drow = s[b, h, i], dp[b, h, i]
                 limit = min(max(i + shift + 1, 0), bk)
-                exp_rows_into(row, bk, scale, lse[b, h, i])   # the whole row: one SIMD loop
+                exp_rows_into(row, limit, scale, lse[b, h, i])   # one SIMD loop a row
                 d = delta[b, h, i]
-                for j in range(bk):
+                for j in range(limit):
                     drow[j] = (row[j] * (drow[j] - d)) * scale
                 for j in range(limit, bk):
                     row[j] = 0.0
