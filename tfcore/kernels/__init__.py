@@ -515,14 +515,17 @@ def warm_up(dtypes=("float32", "float64")) -> float:
 # A spinning thread takes a core: on a machine shared with other busy processes, set
 # SPIN_CYCLES to 0 (each side then sleeps at once, as before).
 #
-# An op is split only when each thread's share is worth a fork/join: a GEMM share of
-# MIN_GEMM_FLOPS_PER_THREAD flops (about 45 microseconds of one core at 90 GFLOP/s float32),
-# an element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements (0.05-0.3 ms at 1-5
-# ns per element); below that the op runs on the calling thread alone, with no fork/join at
-# all (benchmarks/threads_ab.py measures where splitting pays).
+# An op is split only when each thread's share is worth a fork/join (now some 10-25
+# microseconds: a product's share costs the least, a Python call's one pass of the GIL): a
+# GEMM share of MIN_GEMM_FLOPS_PER_THREAD flops (about 45 microseconds of one core at 90
+# GFLOP/s float32), an element-wise or row-wise share of MIN_ELEMENTS_PER_THREAD elements
+# (15-80 microseconds at 1-5 ns per element); below that the op runs on the calling thread
+# alone, with no fork/join at all. Against 2^16 elements, 2^14 took the tiny step at 2 threads
+# 1.5% (float32) and 2% (float64) faster, where the norms and the loss of [1024, 64] rows now
+# split (benchmarks/threads_ab.py measures where splitting pays).
 
 MIN_GEMM_FLOPS_PER_THREAD = 2 ** 22
-MIN_ELEMENTS_PER_THREAD = 2 ** 16
+MIN_ELEMENTS_PER_THREAD = 2 ** 14
 SPIN_CYCLES = 2 ** 20     # how long a waiting thread polls before it sleeps
 
 _pool: list = []     # the worker threads, made on first use
