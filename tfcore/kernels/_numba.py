@@ -19,8 +19,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
-from numba.extending import overload
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -113,22 +115,62 @@ def _row_max(row, limit):
 # reorder, fastmath's reassoc, follows whatever vector width it picks for the CPU). Each
 # returns float64 whatever the storage dtype.
 
+def _lane_sums(squares):
+    """An intrinsic: (row, limit, center) -> 8 float64 partial sums of row[:limit // 8 * 8]
+    (of (row - center)^2 with squares=True), lane i summing the elements j = i mod 8 in
+    order. Written as LLVM vector code, <8 x double>: element-wise adds and multiplies, so
+    every lane makes the additions of the scalar loop it replaces, on any vector width (LLVM
+    splits the vector into the registers the CPU has, but never re-associates a lane)."""
+    @intrinsic
+    def lane_sums(typingctx, row, limit, center):
+        if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+                and row.dtype in (types.float32, types.float64)):
+            return None
+        result = types.UniTuple(types.float64, 8)
+
+        def codegen(context, builder, signature, args):
+            row_, limit_, center_ = args
+            data = context.make_array(signature.args[0])(context, builder, row_).data
+            f64 = ir.DoubleType()
+            vec = ir.VectorType(f64, 8)
+            stored = ir.VectorType(data.type.pointee, 8)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8))
+            if squares:
+                middle = builder.insert_element(ir.Constant(vec, ir.Undefined), center_,
+                                                ir.Constant(ir.IntType(32), 0))
+                splat = builder.shuffle_vector(middle, ir.Constant(vec, ir.Undefined),
+                                               ir.Constant(ir.VectorType(ir.IntType(32), 8),
+                                                           [0] * 8))
+            blocks = builder.sdiv(limit_, ir.Constant(limit_.type, 8))
+            with cgutils.for_range(builder, blocks) as loop:
+                at = builder.gep(data, [builder.mul(loop.index,
+                                                     ir.Constant(loop.index.type, 8))])
+                v = builder.load(builder.bitcast(at, stored.as_pointer()),
+                                 align=context.get_abi_sizeof(data.type.pointee))
+                if stored.element != f64:
+                    v = builder.fpext(v, vec)
+                if squares:
+                    c = builder.fsub(v, splat)
+                    v = builder.fmul(c, c)
+                builder.store(builder.fadd(builder.load(acc), v), acc)
+            total = builder.load(acc)
+            lanes = [builder.extract_element(total, ir.Constant(ir.IntType(32), i))
+                     for i in range(8)]
+            return context.make_tuple(builder, result, lanes)
+        return result(row, limit, center), codegen
+    return lane_sums
+
+
+_lane_sum = _lane_sums(squares=False)
+_lane_square_sum = _lane_sums(squares=True)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _row_sum(row, limit):
     """sum(row[:limit]) in float64, in 8 interleaved partial sums."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    j = 0
-    while j + 8 <= limit:
-        s0 += row[j]
-        s1 += row[j + 1]
-        s2 += row[j + 2]
-        s3 += row[j + 3]
-        s4 += row[j + 4]
-        s5 += row[j + 5]
-        s6 += row[j + 6]
-        s7 += row[j + 7]
-        j += 8
-    for jj in range(j, limit):
+    limit = max(limit, 0)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _lane_sum(row, limit, 0.0)
+    for jj in range(limit - limit % 8, limit):
         s0 += row[jj]
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
@@ -136,55 +178,63 @@ def _row_sum(row, limit):
 @njit(cache=True, nogil=True, error_model="numpy")
 def _row_squares(row, center):
     """sum((row - center)^2) in float64, in 8 interleaved partial sums."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
     n = row.shape[0]
-    j = 0
-    while j + 8 <= n:
-        c0 = np.float64(row[j]) - center
-        c1 = np.float64(row[j + 1]) - center
-        c2 = np.float64(row[j + 2]) - center
-        c3 = np.float64(row[j + 3]) - center
-        c4 = np.float64(row[j + 4]) - center
-        c5 = np.float64(row[j + 5]) - center
-        c6 = np.float64(row[j + 6]) - center
-        c7 = np.float64(row[j + 7]) - center
-        s0 += c0 * c0
-        s1 += c1 * c1
-        s2 += c2 * c2
-        s3 += c3 * c3
-        s4 += c4 * c4
-        s5 += c5 * c5
-        s6 += c6 * c6
-        s7 += c7 * c7
-        j += 8
-    for jj in range(j, n):
+    s0, s1, s2, s3, s4, s5, s6, s7 = _lane_square_sum(row, n, center)
+    for jj in range(n - n % 8, n):
         c = np.float64(row[jj]) - center
         s0 += c * c
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
+@intrinsic
+def _lane_gain_sums(typingctx, dy, xhat, gamma):
+    """(dy, xhat, gamma) -> 4 + 4 float64 partial sums of a = dy * gamma and of a * xhat
+    over the first n // 4 * 4 elements, lane i taking the elements j = i mod 4 in order
+    (LLVM vector code, as _lane_sums)."""
+    arrays = (dy, xhat, gamma)
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+               and a.dtype in (types.float32, types.float64) for a in arrays):
+        return None
+    result = types.UniTuple(types.float64, 8)
+
+    def codegen(context, builder, signature, args):
+        f64 = ir.DoubleType()
+        vec = ir.VectorType(f64, 4)
+        views = [context.make_array(t)(context, builder, a)
+                 for t, a in zip(signature.args, args)]
+        n = cgutils.unpack_tuple(builder, views[0].shape, 1)[0]
+        acc_g = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4))
+        acc_h = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4))
+        blocks = builder.sdiv(n, ir.Constant(n.type, 4))
+
+        def load(view, index):
+            elem = view.data.type.pointee
+            at = builder.gep(view.data, [index])
+            v = builder.load(builder.bitcast(at, ir.VectorType(elem, 4).as_pointer()),
+                             align=context.get_abi_sizeof(elem))
+            return v if elem == f64 else builder.fpext(v, vec)
+
+        with cgutils.for_range(builder, blocks) as loop:
+            index = builder.mul(loop.index, ir.Constant(loop.index.type, 4))
+            a = builder.fmul(load(views[0], index), load(views[2], index))
+            builder.store(builder.fadd(builder.load(acc_g), a), acc_g)
+            builder.store(builder.fadd(builder.load(acc_h),
+                                       builder.fmul(a, load(views[1], index))), acc_h)
+        lanes = []
+        for acc in (acc_g, acc_h):
+            total = builder.load(acc)
+            lanes += [builder.extract_element(total, ir.Constant(ir.IntType(32), i))
+                      for i in range(4)]
+        return context.make_tuple(builder, result, lanes)
+    return result(dy, xhat, gamma), codegen
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _row_gain_sums(dy, xhat, gamma):
     """(sum(dy * gamma), sum(dy * gamma * xhat)) in float64, 4 interleaved partial sums each."""
-    g0 = g1 = g2 = g3 = 0.0
-    h0 = h1 = h2 = h3 = 0.0
+    g0, g1, g2, g3, h0, h1, h2, h3 = _lane_gain_sums(dy, xhat, gamma)
     n = dy.shape[0]
-    j = 0
-    while j + 4 <= n:
-        a0 = np.float64(dy[j]) * np.float64(gamma[j])
-        a1 = np.float64(dy[j + 1]) * np.float64(gamma[j + 1])
-        a2 = np.float64(dy[j + 2]) * np.float64(gamma[j + 2])
-        a3 = np.float64(dy[j + 3]) * np.float64(gamma[j + 3])
-        g0 += a0
-        g1 += a1
-        g2 += a2
-        g3 += a3
-        h0 += a0 * np.float64(xhat[j])
-        h1 += a1 * np.float64(xhat[j + 1])
-        h2 += a2 * np.float64(xhat[j + 2])
-        h3 += a3 * np.float64(xhat[j + 3])
-        j += 4
-    for jj in range(j, n):
+    for jj in range(n - n % 4, n):
         a = np.float64(dy[jj]) * np.float64(gamma[jj])
         g0 += a
         h0 += a * np.float64(xhat[jj])
