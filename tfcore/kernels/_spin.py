@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 POSTED, DONE, KIND, WORKER_SLEEPS, CALLER_SLEEPS = 0, 1, 2, 3, 4
 CONTROL_SLOTS = 8
 # task kinds (KIND) and what serve() returns besides a task's number
-PRODUCT, PYTHON_CALL, STOP = 1, 2, 3
+PRODUCT, PYTHON_CALL = 1, 2
 IDLE, WAKE_CALLER = -1, -2
 # a product's arguments (int64 slots), as cblas_?gemm takes them, then its epilogue
 ORDER, TRANS_A, TRANS_B, M, N, K, A, LDA, B, LDB, C, LDC = range(12)
@@ -183,7 +183,7 @@ def _run_product(args, like32, like64):
 def serve(control, args, done, spin_cycles, like32, like64):
     """The worker's wait, without the GIL: first marks task `done` done (0: none), then polls
     for the next task for up to spin_cycles CPU cycles. Runs products itself (and goes on
-    polling); returns the number of a task that needs Python (a call, or STOP), IDLE when
+    polling); returns the number of a task that needs Python (a call), IDLE when
     nothing came, WAKE_CALLER when the caller went to sleep waiting for a product it ran."""
     if done:
         _store(control, DONE, done)
