@@ -9,10 +9,10 @@
 A step is forward + backward + AdamW of a GPT-style DecoderLM (pre-LayerNorm, learned
 positions, tanh GELU, tied head), with each library's fused attention by default: tfcore's
 attention="tiled" (--tfcore-attention dense keeps the [B, H, S, S] scores) and PyTorch's
-scaled_dot_product_attention (--torch-attention math writes softmax(QK^T)V out). With PyTorch installed (the CPU build:
-`pip install torch==2.13.0+cpu`), the same model is built in PyTorch eager with the same
-weights and tokens, the two losses must agree, and the two steps are timed alternately in
-one process, so that whatever the machine does falls on both.
+scaled_dot_product_attention (--torch-attention math writes softmax(QK^T)V out). With
+PyTorch installed (the CPU build: `pip install torch==2.13.0+cpu`), the same model is built
+in PyTorch eager with the same weights and tokens, the two losses must agree, and the two
+steps are timed alternately in one process, so that whatever the machine does falls on both.
 
 Load. For every timed window (one step, or as many steps as fill --min-window seconds) the
 benchmark reads the machine's busy CPU time (/proc/stat) and this process's own CPU time

@@ -298,10 +298,10 @@ def add(a, b):
     threads as the row-wise ops are: the same halves of the rows, so that the rows a thread
     adds are in its cache when the next op (the residual sum's norm) gives it the same rows."""
     out = np.empty_like(a)
-    flat = (a.reshape(-1), b.reshape(-1), out.reshape(-1))
-    n = out.size
-    parts = _parts(n, MIN_ELEMENTS_PER_THREAD, n)
-    _on_threads([(np.add, tuple(f[lo:hi] for f in flat)) for lo, hi in _bounds(n, parts)])
+    if out.ndim == 0 or out.size == 0:
+        return np.add(a, b, out=out)
+    d = out.shape[-1]
+    _split_rows(np.add, (_rows(a, d), _rows(b, d), _rows(out, d)), ())   # np.add(a, b, out)
     return out
 
 
@@ -705,8 +705,8 @@ def _product_args(slots, a, b, out, bias=None, into=None) -> bool:
             return False
     if bias is not None and bias.shape != (n,):
         return False
-    if into is not None and (into.shape != (m, n) or _blas_matrix(into) is None
-                             or _blas_matrix(into)[0]):
+    layout_into = None if into is None else _blas_matrix(into)
+    if into is not None and (into.shape != (m, n) or layout_into is None or layout_into[0]):
         return False
     sp = _sp()
     double = dtype == np.float64
@@ -723,7 +723,7 @@ def _product_args(slots, a, b, out, bias=None, into=None) -> bool:
     if bias is not None:
         slots[sp.BIAS] = bias.ctypes.data
     if into is not None:
-        slots[sp.INTO], slots[sp.LD_INTO] = into.ctypes.data, _blas_matrix(into)[1]
+        slots[sp.INTO], slots[sp.LD_INTO] = into.ctypes.data, layout_into[1]
     return True
 
 
