@@ -109,11 +109,28 @@ def _row_max(row, limit):
     return m
 
 
-# The row sums below keep 8 running sums (element j goes to sum j mod 8) and add them in a
-# fixed tree at the end: LLVM may put the 8 sums in SIMD lanes, but the order of every
-# addition is the source's, so the result is the same on every CPU (a sum that LLVM may
-# reorder, fastmath's reassoc, follows whatever vector width it picks for the CPU). Each
+# The row sums below keep 8 (or 4) running sums, element j going to sum j mod 8, and add
+# them in a fixed tree at the end. The running sums are the lanes of an LLVM vector: every
+# lane makes the additions of a scalar loop in the source's order, so the result is the same
+# on every CPU (a sum that LLVM may reorder, fastmath's reassoc, follows whatever vector
+# width it picks for the CPU; and LLVM does not vectorise 8 separate scalar sums). Each
 # returns float64 whatever the storage dtype.
+
+def _load_float64s(context, builder, data, index, width):
+    """<width x double> from data[index:index + width] (float32 storage widened)."""
+    element = data.type.pointee
+    at = builder.gep(data, [index])
+    v = builder.load(builder.bitcast(at, ir.VectorType(element, width).as_pointer()),
+                     align=context.get_abi_sizeof(element))
+    return v if element == ir.DoubleType() else builder.fpext(v, ir.VectorType(ir.DoubleType(),
+                                                                               width))
+
+
+def _lanes(builder, vector, width):
+    """The `width` elements of an LLVM vector, as a list of scalars."""
+    return [builder.extract_element(vector, ir.Constant(ir.IntType(32), i))
+            for i in range(width)]
+
 
 def _lane_sums(squares):
     """An intrinsic: (row, limit, center) -> 8 float64 partial sums of row[:limit // 8 * 8]
@@ -133,7 +150,6 @@ def _lane_sums(squares):
             data = context.make_array(signature.args[0])(context, builder, row_).data
             f64 = ir.DoubleType()
             vec = ir.VectorType(f64, 8)
-            stored = ir.VectorType(data.type.pointee, 8)
             acc = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8))
             if squares:
                 middle = builder.insert_element(ir.Constant(vec, ir.Undefined), center_,
@@ -143,20 +159,13 @@ def _lane_sums(squares):
                                                            [0] * 8))
             blocks = builder.sdiv(limit_, ir.Constant(limit_.type, 8))
             with cgutils.for_range(builder, blocks) as loop:
-                at = builder.gep(data, [builder.mul(loop.index,
-                                                     ir.Constant(loop.index.type, 8))])
-                v = builder.load(builder.bitcast(at, stored.as_pointer()),
-                                 align=context.get_abi_sizeof(data.type.pointee))
-                if stored.element != f64:
-                    v = builder.fpext(v, vec)
+                index = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+                v = _load_float64s(context, builder, data, index, 8)
                 if squares:
                     c = builder.fsub(v, splat)
                     v = builder.fmul(c, c)
                 builder.store(builder.fadd(builder.load(acc), v), acc)
-            total = builder.load(acc)
-            lanes = [builder.extract_element(total, ir.Constant(ir.IntType(32), i))
-                     for i in range(8)]
-            return context.make_tuple(builder, result, lanes)
+            return context.make_tuple(builder, result, _lanes(builder, builder.load(acc), 8))
         return result(row, limit, center), codegen
     return lane_sums
 
@@ -206,25 +215,14 @@ def _lane_gain_sums(typingctx, dy, xhat, gamma):
         acc_g = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4))
         acc_h = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 4))
         blocks = builder.sdiv(n, ir.Constant(n.type, 4))
-
-        def load(view, index):
-            elem = view.data.type.pointee
-            at = builder.gep(view.data, [index])
-            v = builder.load(builder.bitcast(at, ir.VectorType(elem, 4).as_pointer()),
-                             align=context.get_abi_sizeof(elem))
-            return v if elem == f64 else builder.fpext(v, vec)
-
         with cgutils.for_range(builder, blocks) as loop:
             index = builder.mul(loop.index, ir.Constant(loop.index.type, 4))
-            a = builder.fmul(load(views[0], index), load(views[2], index))
+            dy_, xhat_, gamma_ = (_load_float64s(context, builder, view.data, index, 4)
+                                  for view in views)
+            a = builder.fmul(dy_, gamma_)
             builder.store(builder.fadd(builder.load(acc_g), a), acc_g)
-            builder.store(builder.fadd(builder.load(acc_h),
-                                       builder.fmul(a, load(views[1], index))), acc_h)
-        lanes = []
-        for acc in (acc_g, acc_h):
-            total = builder.load(acc)
-            lanes += [builder.extract_element(total, ir.Constant(ir.IntType(32), i))
-                      for i in range(4)]
+            builder.store(builder.fadd(builder.load(acc_h), builder.fmul(a, xhat_)), acc_h)
+        lanes = _lanes(builder, builder.load(acc_g), 4) + _lanes(builder, builder.load(acc_h), 4)
         return context.make_tuple(builder, result, lanes)
     return result(dy, xhat, gamma), codegen
 
