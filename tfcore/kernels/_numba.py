@@ -539,6 +539,17 @@ def gelu_tanh_grad(dy, x, t, dx, c):
 # strided views); query row i of the block sees key column c when c <= i + shift (causal;
 # shift >= bk for no mask). scale > 0, a scalar of the storage dtype.
 
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _round_up(limit, multiple, width):
+    """limit rounded up to a multiple of `multiple`, at most `width`. An exp to there runs
+    whole vectors (multiple: the elements of 64 bytes) with no scalar remainder, which in
+    rows of a few dozen keys cost as much as the vector part; a row sum to there (multiple:
+    its 8 lanes) adds the zeros past the limit to no lane, so its bits are those of the
+    whole row's. The entries past the limit are zeroed as a slice (an element loop there
+    cost as much again)."""
+    return min(width, (limit + multiple - 1) // multiple * multiple)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def attention_forward_block(s, scale, shift, m, l, alpha):
     """The online softmax's step over one key block, in place: s -> p = exp(scale s - m_new)
@@ -547,7 +558,8 @@ def attention_forward_block(s, scale, shift, m, l, alpha):
 
     Three passes over the block (maxima; exp; masks and sums): as one pass over each row,
     LLVM kept the exp loop from running at full width (1.6 times slower). The exp stops at
-    the causal limit of each row (the entries past it are zeroed, not computed)."""
+    the causal limit of each row, rounded up to whole vectors (see _round_up); the entries
+    past the limit are zeroed, not computed."""
     batch, heads, bq, bk = s.shape
     for b in range(batch):
         for h in range(heads):
@@ -560,15 +572,16 @@ def attention_forward_block(s, scale, shift, m, l, alpha):
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
-                limit = min(max(i + shift + 1, 0), bk)
-                exp_rows_into(s[b, h, i], limit, scale, m[b, h, i])  # one SIMD loop a row
+                stop = _round_up(min(max(i + shift + 1, 0), bk), 64 // s.itemsize, bk)
+                exp_rows_into(s[b, h, i], stop, scale, m[b, h, i])   # one SIMD loop a row
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
                 row = s[b, h, i]
-                for j in range(min(max(i + shift + 1, 0), bk), bk):
-                    row[j] = 0.0
-                l[b, h, i] = l[b, h, i] * alpha[b, h, i] + _row_sum(row, bk)
+                limit = min(max(i + shift + 1, 0), bk)
+                row[limit:] = 0.0
+                stop = _round_up(limit, 8, bk)        # the sum's lanes: the bits of bk's
+                l[b, h, i] = l[b, h, i] * alpha[b, h, i] + _row_sum(row, stop)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -606,10 +619,9 @@ def attention_backward_block(s, dp, lse, delta, scale, shift):
             for i in range(bq):
                 row, drow = s[b, h, i], dp[b, h, i]
                 limit = min(max(i + shift + 1, 0), bk)
-                exp_rows_into(row, limit, scale, lse[b, h, i])   # one SIMD loop a row
+                exp_rows_into(row, _round_up(limit, 64 // s.itemsize, bk), scale, lse[b, h, i])
                 d = delta[b, h, i]
                 for j in range(limit):
                     drow[j] = (row[j] * (drow[j] - d)) * scale
-                for j in range(limit, bk):
-                    row[j] = 0.0
-                    drow[j] = 0.0
+                row[limit:] = 0.0
+                drow[limit:] = 0.0
