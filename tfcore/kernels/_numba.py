@@ -352,34 +352,53 @@ def causal_softmax_backward_inplace(dA, A, scale, offset):
 
 
 # -- LayerNorm and RMSNorm over rows: x [N, D] --------------------------------------------
+# A row's outputs wait on its sums, a square root and a division, some hundred cycles of
+# steps that each wait on the one before. So the rows go in blocks of _ROW_BLOCK: first the
+# statistics of every row of the block (whose chains the CPU overlaps, row with row), then
+# their outputs. Row by row, a [1024, 64] float32 LayerNorm forward took 69 us; so, 49 us.
+
+_ROW_BLOCK = 32
+
 
 @njit(**_JIT)
 def layernorm_forward(x, gamma, beta, eps, y, xhat, rstd):
     """y = gamma * xhat + beta, xhat = (x - mean) * rstd, rstd = 1 / sqrt(var + eps)."""
     n, d = x.shape
-    for r in range(n):
-        mean = _row_sum(x[r], d) / d
-        var = _row_squares(x[r], mean) / d
-        inv = 1.0 / math.sqrt(var + eps)
-        rstd[r] = inv if math.isfinite(var) else np.nan     # the caller falls back
-        for j in range(d):
-            h = (np.float64(x[r, j]) - mean) * inv
-            xhat[r, j] = h
-            y[r, j] = h * np.float64(gamma[j]) + np.float64(beta[j])
+    means, invs = np.empty(_ROW_BLOCK), np.empty(_ROW_BLOCK)
+    for r0 in range(0, n, _ROW_BLOCK):
+        r1 = min(r0 + _ROW_BLOCK, n)
+        for r in range(r0, r1):
+            mean = _row_sum(x[r], d) / d
+            var = _row_squares(x[r], mean) / d
+            inv = 1.0 / math.sqrt(var + eps)
+            rstd[r] = inv if math.isfinite(var) else np.nan     # the caller falls back
+            means[r - r0], invs[r - r0] = mean, inv
+        for r in range(r0, r1):
+            mean, inv = means[r - r0], invs[r - r0]
+            for j in range(d):
+                h = (np.float64(x[r, j]) - mean) * inv
+                xhat[r, j] = h
+                y[r, j] = h * np.float64(gamma[j]) + np.float64(beta[j])
 
 
 @njit(**_JIT)
 def rmsnorm_forward(x, gain, eps, y, xhat, rrms):
     """y = gain * xhat, xhat = x * rrms, rrms = 1 / sqrt(mean(x^2) + eps)."""
     n, d = x.shape
-    for r in range(n):
-        ms = _row_squares(x[r], 0.0)
-        inv = 1.0 / math.sqrt(ms / d + eps)
-        rrms[r] = inv if math.isfinite(ms) else np.nan      # the caller falls back
-        for j in range(d):
-            h = np.float64(x[r, j]) * inv
-            xhat[r, j] = h
-            y[r, j] = h * np.float64(gain[j])
+    invs = np.empty(_ROW_BLOCK)
+    for r0 in range(0, n, _ROW_BLOCK):
+        r1 = min(r0 + _ROW_BLOCK, n)
+        for r in range(r0, r1):
+            ms = _row_squares(x[r], 0.0)
+            inv = 1.0 / math.sqrt(ms / d + eps)
+            rrms[r] = inv if math.isfinite(ms) else np.nan      # the caller falls back
+            invs[r - r0] = inv
+        for r in range(r0, r1):
+            inv = invs[r - r0]
+            for j in range(d):
+                h = np.float64(x[r, j]) * inv
+                xhat[r, j] = h
+                y[r, j] = h * np.float64(gain[j])
 
 
 @njit(**_JIT)
