@@ -358,8 +358,12 @@ def _dense(q, k, v, dout, causal):
                                               (True, 3, 64, 64), (False, 2, 100, 70),
                                               (False, 1, 5, 200)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tiled_attention_equals_the_reference(rng, dtype, causal, b, s_q, s_k, threads):
-    """Sequence lengths off the block grid, S_q < S_k, a batch smaller than the threads."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tiled_attention_equals_the_reference(rng, monkeypatch, dtype, causal, b, s_q, s_k,
+                                              threads, compiled):
+    """Sequence lengths off the block grid, S_q < S_k, a batch smaller than the threads; the
+    compiled shares and the Python loops alike."""
+    _use_compiled_shares(monkeypatch, compiled, dtype)
     d_h = 8
     q = randn(rng, (b, 3, s_q, d_h), dtype)
     k, v = randn(rng, (b, 3, s_k, d_h), dtype), randn(rng, (b, 3, s_k, d_h), dtype)
@@ -375,6 +379,38 @@ def test_tiled_attention_equals_the_reference(rng, dtype, causal, b, s_q, s_k, t
     assert rel(out, out_ref) <= tol and rel(lse, lse_ref) <= tol
     for grad, ref in zip(grads, grads_ref):
         assert grad.shape == ref.shape and rel(grad, ref) <= tol, rel(grad, ref)
+
+
+def _use_compiled_shares(monkeypatch, compiled, dtype):
+    from tfcore.kernels import _tiled
+
+    monkeypatch.setattr(_tiled, "COMPILED", compiled)
+    assert bool(_tiled._compiled(np.dtype(dtype))) == compiled, \
+        "NumPy's BLAS has no cblas gemm that the compiled shares can call"
+
+
+@needs_numba
+@DTYPES
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_attention_compiled_shares_equal_the_python_loops(rng, monkeypatch, dtype, causal):
+    """The compiled shares make the products of the Python loops with the same arguments
+    to the same gemm (beta = 1 where the loops add a product afterwards), so the bits are
+    the same, and so are the counted FLOPs."""
+    b, h, s_q, s_k, d_h, d_v = 3, 2, 150, 150 if causal else 200, 16, 24
+    q, k = randn(rng, (b, h, s_q, d_h), dtype), randn(rng, (b, h, s_k, d_h), dtype)
+    v, dout = randn(rng, (b, h, s_k, d_v), dtype), randn(rng, (b, h, s_q, d_v), dtype)
+    results = []
+    for compiled in (True, False):
+        _use_compiled_shares(monkeypatch, compiled, dtype)
+        with backend.count_matmuls() as count:
+            out, lse = kernels.tiled_attention_forward(q, k, v, causal, 0.3, block=32, span=64)
+            grads = kernels.tiled_attention_backward(dout, q, k, v, out, lse, causal, 0.3,
+                                                     block=32, span=64)
+        results.append(((out, lse) + tuple(grads), count.flops))
+    (compiled_arrays, compiled_flops), (python_arrays, python_flops) = results
+    assert compiled_flops == python_flops > 0
+    for a, b_ in zip(compiled_arrays, python_arrays):
+        assert np.array_equal(a, b_)
 
 
 @needs_numba

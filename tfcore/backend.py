@@ -235,10 +235,10 @@ class MatmulCount:
         self.phase = None
         self.by: dict[tuple, int] = {}
 
-    def add(self, label: str, m: int, k: int, n: int, batch: int = 1):
+    def add(self, label: str, m: int, k: int, n: int, batch: int = 1, calls: int = 1):
         flops = 2 * m * k * n * batch
         self.flops += flops
-        self.calls += 1
+        self.calls += calls
         key = (self.phase, label)
         self.by[key] = self.by.get(key, 0) + flops
 
@@ -277,6 +277,16 @@ def record_matmul(label: str, a_shape, b_shape):
     with _count_lock:
         for count in _counts:
             count.add(label, int(m), int(k), int(n), int(batch))
+
+
+def record_products(label: str, mkn: int, calls: int):
+    """Count `calls` products made elsewhere whose m k n add up to `mkn` (the tally of a
+    compiled loop that makes its products itself)."""
+    if not _counts or not calls:
+        return
+    with _count_lock:
+        for count in _counts:
+            count.add(label, int(mkn), 1, 1, 1, int(calls))
 
 
 # The precision every matmul() computes in. None: the arrays' own dtype. Otherwise a function

@@ -672,6 +672,15 @@ def _sp():
     return _sp_module
 
 
+def _gemm_address(dtype) -> int:
+    """The address of the cblas gemm (of NumPy's BLAS) for `dtype` that compiled code calls,
+    or 0 where none was found (see _spin.blas_gemm_addresses)."""
+    _sp()
+    if not _gemm_addresses or dtype not in _FLOATS:
+        return 0
+    return _gemm_addresses[1 if dtype == np.float64 else 0]
+
+
 def _blas_matrix(x):
     """(transposed, leading dimension) with which NumPy's matmul hands the 2-D view x to
     BLAS (the same test as NumPy's is_blasable2d), or None where it would not."""

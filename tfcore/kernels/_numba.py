@@ -24,6 +24,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ._spin import NO_TRANS, ROW_MAJOR, TRANS, _dgemm, _sgemm
+
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -644,3 +646,133 @@ def attention_backward_block(s, dp, lse, delta, scale, shift):
                     drow[j] = (row[j] * (drow[j] - d)) * scale
                 row[limit:] = 0.0
                 drow[limit:] = 0.0
+
+
+# -- tiled attention: a whole share of the batch, compiled ----------------------------------
+# The block loops of tfcore.kernels._tiled without Python: each product is a call of the
+# cblas gemm that NumPy itself calls (its address found by _spin), with the arguments
+# np.matmul would pass for the same arrays; each block's element-wise work is the kernels
+# above. A share then takes Python's lock once, to start, instead of at each of its few dozen
+# small products: on two threads both shares wanted the lock at every one of them.
+# Addresses are integers (an array's data pointer plus the byte offset of a block).
+
+@njit(cache=True, nogil=True, inline="always")
+def _product(function, trans_a, trans_b, m, n, k, a, lda, b, ldb, accumulate, c, ldc, size,
+             counted):
+    """c [m, n] (+)= op(a) @ op(b) in the row-major cblas convention (trans: TRANS or
+    NO_TRANS; leading dimensions in elements); counted[0] += m n k, counted[1] += 1."""
+    beta = 1.0 if accumulate else 0.0
+    if size == 4:
+        _sgemm(function, ROW_MAJOR, trans_a, trans_b, m, n, k, 1.0, a, lda, b, ldb, beta, c,
+               ldc)
+    else:
+        _dgemm(function, ROW_MAJOR, trans_a, trans_b, m, n, k, 1.0, a, lda, b, ldb, beta, c,
+               ldc)
+    counted[0] += m * n * k
+    counted[1] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _at(x, b, h, row):
+    """The address of x[b, h, row] (x 4-D)."""
+    return x.ctypes.data + b * x.strides[0] + h * x.strides[1] + row * x.strides[2]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def tiled_forward_share(q, k_t, v, out, lse, causal, scale, block, span, scores, product,
+                        running, function, counted):
+    """_tiled._forward_rows for every (batch row, head) of a share, one after the other.
+
+    q [b, H, S_q, D_h], k_t [b, H, D_h, S_k] (k transposed), v [b, H, S_k, D_v]: C-contiguous;
+    out [b, H, S_q, D_v], lse [b, H, S_q]: rows contiguous; scratch: scores
+    [>= block * span], product [>= block * D_v], running [3, 1, 1, >= block] (m, l, alpha);
+    function: the gemm's address; counted [2]: products made (see _product)."""
+    batch, heads, s_q, d_h = q.shape
+    s_k, d_v, size = k_t.shape[3], v.shape[3], q.itemsize
+    offset = s_k - s_q
+    ld_q, ld_v, ld_out = q.strides[2] // size, v.strides[2] // size, out.strides[2] // size
+    for b in range(batch):
+        for h in range(heads):
+            for i0 in range(0, s_q, block):
+                i1 = min(i0 + block, s_q)
+                bq = i1 - i0
+                m_i, l_i, alpha_i = running[0, :, :, :bq], running[1, :, :, :bq], \
+                    running[2, :, :, :bq]
+                m_i[...] = -np.inf
+                l_i[...] = 0.0
+                acc = out[b:b + 1, h:h + 1, i0:i1]
+                stop = min(s_k, i1 + offset) if causal else s_k
+                for j0 in range(0, stop, span):
+                    j1 = min(j0 + span, stop)
+                    bk = j1 - j0
+                    s = scores[:bq * bk].reshape((1, 1, bq, bk))
+                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_h, _at(q, b, h, i0), ld_q,
+                             _at(k_t, b, h, 0) + j0 * size, s_k, False, s.ctypes.data, bk,
+                             size, counted)
+                    shift = i0 + offset - j0 if causal else bk
+                    attention_forward_block(s, scale, shift, m_i, l_i, alpha_i)   # s is p
+                    if j0 == 0:           # the first block: written in place, no rescale
+                        _product(function, NO_TRANS, NO_TRANS, bq, d_v, bk, s.ctypes.data, bk,
+                                 _at(v, b, h, j0), ld_v, False, _at(out, b, h, i0), ld_out,
+                                 size, counted)
+                    else:
+                        pv = product[:bq * d_v].reshape((1, 1, bq, d_v))
+                        _product(function, NO_TRANS, NO_TRANS, bq, d_v, bk, s.ctypes.data, bk,
+                                 _at(v, b, h, j0), ld_v, False, pv.ctypes.data, d_v, size,
+                                 counted)
+                        attention_rescale_add(acc, alpha_i, pv)
+                attention_forward_finish(acc, m_i, l_i, lse[b:b + 1, h:h + 1, i0:i1])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal, scale, block, span,
+                         probs, dscores, transposed, function, counted):
+    """_tiled._backward_rows for every (batch row, head) of a share, one after the other.
+
+    q [b, H, S_q, D_h], k [b, H, S_k, D_h], v [b, H, S_k, D_v]: C-contiguous; dout, dq, dk,
+    dv: rows contiguous; lse, delta [b, H, S_q]; scratch: probs and dscores
+    [>= span * block], transposed [>= block * (D_h + D_v)] (k_j^T and v_j^T of a key
+    block); function, counted as in tiled_forward_share. The products that add into dq, dk
+    and dv (after a key's or a query's first block) add in the gemm (beta = 1)."""
+    batch, heads, s_q, d_h = q.shape
+    s_k, d_v, size = k.shape[2], v.shape[3], q.itemsize
+    offset = s_k - s_q
+    ld_q, ld_k, ld_do = q.strides[2] // size, k.strides[2] // size, dout.strides[2] // size
+    ld_dq, ld_dk, ld_dv = dq.strides[2] // size, dk.strides[2] // size, dv.strides[2] // size
+    for b in range(batch):
+        for h in range(heads):
+            for j0 in range(0, s_k, block):
+                j1 = min(j0 + block, s_k)
+                bk = j1 - j0
+                first = max(0, j0 - offset) if causal else 0   # the first query seeing j0
+                if first >= s_q:          # no query sees these keys (S_q < S_k, causal)
+                    dk[b, h, j0:j1] = 0.0
+                    dv[b, h, j0:j1] = 0.0
+                    continue
+                kj_t = transposed[:d_h * bk].reshape((d_h, bk))
+                vj_t = transposed[d_h * bk:(d_h + d_v) * bk].reshape((d_v, bk))
+                kj_t[...] = k[b, h, j0:j1].T
+                vj_t[...] = v[b, h, j0:j1].T
+                for i0 in range(first, s_q, span):
+                    i1 = min(i0 + span, s_q)
+                    bq = i1 - i0
+                    p = probs[:bq * bk].reshape((1, 1, bq, bk))
+                    dp = dscores[:bq * bk].reshape((1, 1, bq, bk))
+                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_h, _at(q, b, h, i0), ld_q,
+                             kj_t.ctypes.data, bk, False, p.ctypes.data, bk, size, counted)
+                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_v, _at(dout, b, h, i0),
+                             ld_do, vj_t.ctypes.data, bk, False, dp.ctypes.data, bk, size,
+                             counted)
+                    shift = i0 + offset - j0 if causal else bk
+                    attention_backward_block(p, dp, lse[b:b + 1, h:h + 1, i0:i1],
+                                             delta[b:b + 1, h:h + 1, i0:i1], scale, shift)
+                    later = i0 != first
+                    _product(function, TRANS, NO_TRANS, bk, d_v, bq, p.ctypes.data, bk,  # p^T do
+                             _at(dout, b, h, i0), ld_do, later, _at(dv, b, h, j0), ld_dv,
+                             size, counted)
+                    _product(function, TRANS, NO_TRANS, bk, d_h, bq, dp.ctypes.data, bk,  # dZ^T q
+                             _at(q, b, h, i0), ld_q, later, _at(dk, b, h, j0), ld_dk, size,
+                             counted)
+                    _product(function, NO_TRANS, NO_TRANS, bq, d_h, bk, dp.ctypes.data, bk,
+                             _at(k, b, h, j0), ld_k, j0 != 0, _at(dq, b, h, i0), ld_dq,  # dZ k
+                             size, counted)

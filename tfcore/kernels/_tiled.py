@@ -38,12 +38,16 @@ import math
 
 import numpy as np
 
-from ..backend import record_matmul
+from ..backend import record_matmul, record_products
 
 BLOCK = 64          # rows of a forward query block, columns of a backward key block
 SPAN = 256          # the most keys (forward) or queries (backward) one block meets at once
 SCRATCH = 2 ** 17   # the most elements of one scratch block of scores: batch rows at a time
 _LABEL = "tiled attention"
+# True: each share's loops run compiled, in one call without Python's lock (where the BLAS
+# NumPy calls has a C interface _spin can call); False: the Python loops below, which make
+# the same products through np.matmul (same arguments to the same gemm: the same bits).
+COMPILED = True
 
 
 def _check(name, x, ndim=4, rows=False):
@@ -75,6 +79,14 @@ def _check_qkv(q, k, v, causal):
                          f"S_k={k.shape[2]}")
 
 
+def _compiled(dtype) -> int:
+    """The gemm address for the compiled shares (tfcore.kernels._numba.tiled_*_share), or 0:
+    COMPILED off, or no gemm found (then the Python loops below run)."""
+    from . import _gemm_address
+
+    return _gemm_address(dtype) if COMPILED else 0
+
+
 def _mm(a, b, out=None):
     """a [..., m, k] @ b [..., k, n], counted (transposed views go to BLAS as flags)."""
     record_matmul(_LABEL, a.shape, b.shape)
@@ -99,10 +111,22 @@ def _batch_chunks(batch, per_item, limit=SCRATCH):
 
 
 def _forward_part(q, k, v, out, lse, causal, scale, block, span):
-    """The forward for one share of the batch (arrays are views [b, H, ...] of the caller's),
-    a few batch rows at a time (see SCRATCH)."""
+    """The forward for one share of the batch (arrays are views [b, H, ...] of the caller's):
+    compiled (see COMPILED), or a few batch rows at a time (see SCRATCH)."""
     batch, heads, s_q, _ = q.shape
     rows, cols = min(block, s_q), min(span, k.shape[2])
+    function = _compiled(q.dtype)
+    if function:
+        from . import _k
+
+        counted = np.zeros(2, dtype=np.int64)
+        _k().tiled_forward_share(q, np.ascontiguousarray(np.swapaxes(k, -1, -2)), v, out, lse,
+                                 causal, q.dtype.type(scale), block, span,
+                                 np.empty(rows * cols, dtype=q.dtype),
+                                 np.empty(rows * v.shape[3], dtype=q.dtype),
+                                 np.empty((3, 1, 1, rows), dtype=q.dtype), function, counted)
+        record_products(_LABEL, *counted)
+        return
     chunks, step = _batch_chunks(batch, heads * rows * cols)
     scores = np.empty(step * heads * rows * cols, dtype=q.dtype)
     product = np.empty(step * heads * rows * v.shape[3], dtype=q.dtype)
@@ -147,9 +171,23 @@ def _forward_rows(q, k, v, out, lse, causal, scale, block, span, scores, product
 
 
 def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, span):
-    """The backward for one share, a few batch rows at a time (see SCRATCH)."""
+    """The backward for one share: compiled, or a few batch rows at a time (see SCRATCH)."""
     batch, heads, s_q, d_h = q.shape
     cols, rows = min(block, k.shape[2]), min(span, s_q)
+    function = _compiled(q.dtype)
+    if function:
+        from . import _k
+
+        counted = np.zeros(2, dtype=np.int64)
+        delta = np.einsum("bhsd,bhsd->bhs", dout, out)          # as in _backward_rows
+        _k().tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal,
+                                  q.dtype.type(scale), block, span,
+                                  np.empty(rows * cols, dtype=q.dtype),
+                                  np.empty(rows * cols, dtype=q.dtype),
+                                  np.empty(cols * (d_h + v.shape[3]), dtype=q.dtype), function,
+                                  counted)
+        record_products(_LABEL, *counted)
+        return
     chunks, step = _batch_chunks(batch, heads * rows * cols)
     probs = np.empty(step * heads * rows * cols, dtype=q.dtype)
     dscores = np.empty_like(probs)
