@@ -492,6 +492,10 @@ def warm_up(dtypes=("float32", "float64")) -> float:
         adamw_update(flat, flat, flat.copy(), flat * 0, 1e-3, 0.9, 0.99, 1e-8, 0.1, 0.1, 0.01,
                      np.ones_like(flat))
         embedding_backward(x, labels, (3, 4))
+        w = np.ones((4, 5), dtype=name)              # a linear layer with a bias, both ways
+        y = linear_forward(x, w, w[0])
+        linear_backward(y, x, w, True, grads=(w.copy(), w[0].copy()))
+        linear_backward(y, x, w, True)
         if _threads() > 1:                   # the worker's compiled half, on a split product
             a, b, out = x.reshape(6, 4), x.reshape(4, 6), np.empty((6, 6), dtype=name)
             _on_threads([(_matmul_into, (a[:3], b, out[:3])), (_matmul_into, (a[3:], b, out[3:]))])
@@ -839,10 +843,14 @@ def _split_matmul(a, b, out, axis, threads, bias=None, into=None):
 
 def _matmul_into(a, b, out, bias=None, into=None):
     np.matmul(a, b, out=out)
-    if bias is not None:
-        out += bias
-    if into is not None:
-        into += out
+    if bias is not None or into is not None:
+        if out.ndim == 2 and out.dtype in _FLOATS:
+            _sp().epilogue(out, bias, into)
+        else:
+            if bias is not None:
+                out += bias
+            if into is not None:
+                into += out
 
 
 def linear_forward(x, W, b):
@@ -882,13 +890,11 @@ def linear_backward(dy, x, W, has_bias, overwrite_x=False, grads=None):
         matmul(x_rows.T, dy_rows, out=dW, into=gW)                # [D_in, N] @ [N, D_out]
         matmul(dy_rows, W.T, out=dx.reshape(-1, d_in))            # x is read by now
         if has_bias:
-            db = dy_rows.sum(axis=0)
-            if gb is not None:
-                gb += db
+            db = _bias_gradient(dy_rows, gb)
     if grads is not None:
         return dx, None, None
     if has_bias and db is None:
-        db = dy_rows.sum(axis=0)
+        db = _bias_gradient(dy_rows)
     return dx, dW, db
 
 
@@ -896,7 +902,19 @@ def _input_gradient(dy_rows, W, dx_rows, has_bias, gb):
     """dx = dy W^T; gb += sum of dy's rows (when gb is given and there is a bias)."""
     np.matmul(dy_rows, W.T, out=dx_rows)
     if has_bias and gb is not None:
-        gb += dy_rows.sum(axis=0)
+        _bias_gradient(dy_rows, gb)
+
+
+def _bias_gradient(dy_rows, gb=None):
+    """db [D_out] = the sum of dy's rows [N, D_out], added into gb when given (-> db)."""
+    db = np.empty(dy_rows.shape[1], dtype=dy_rows.dtype)
+    if dy_rows.dtype in _FLOATS and (gb is None or gb.dtype == db.dtype):
+        _k().column_sums(dy_rows, db, np.empty(0, db.dtype) if gb is None else gb)
+    else:
+        db[...] = dy_rows.sum(axis=0)
+        if gb is not None:
+            gb += db
+    return db
 
 
 # -- attention: the matmuls stay BLAS; scale, mask and softmax become one in-place pass ------

@@ -432,6 +432,23 @@ def norm_backward(dy, xhat, rstd, gamma, centered, dx, partial_dgamma, partial_d
                 dx[r, j] = inv * (g - mean_g - np.float64(xhat[r, j]) * mean_gx)
 
 
+# -- the bias gradient: sums over the rows ------------------------------------------------
+
+@njit(**_JIT)
+def column_sums(x, total, into):
+    """total [D] = sum of the rows of x [N, D], row after row (NumPy's x.sum(axis=0) makes
+    the same additions in the same order: the same bits); into [D] += total unless into is
+    empty."""
+    n, d = x.shape
+    total[:] = 0.0
+    for r in range(n):
+        for j in range(d):
+            total[j] += x[r, j]
+    if into.shape[0] == d:
+        for j in range(d):
+            into[j] += total[j]
+
+
 # -- cross-entropy fused with its softmax: logits [N, V], safe labels [N], valid [N] -------
 
 @njit(**_JIT)
