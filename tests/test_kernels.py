@@ -538,6 +538,7 @@ def test_every_kernel_split_over_threads_equals_the_reference(rng, monkeypatch, 
     g changes by a few 1e-7 relative, and the loss's own float32 rounding is 1e-7)."""
     monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels, "MIN_STREAM_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(kernels, "_threads", lambda: 3)
     cfg = dict(vocab_size=13, max_seq_len=9, d_model=12, n_layers=2, n_heads=3, dtype=dtype)
     ids = asarray(rng.integers(0, 13, size=(2, 9)), "int64")
@@ -575,8 +576,9 @@ def test_causal_softmax_split_over_queries(rng, monkeypatch, s_q):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_an_op_forks_only_when_each_share_is_worth_a_fork_join(monkeypatch, fork_joins, dtype):
     """At 2 threads a product is split only when each half has MIN_GEMM_FLOPS_PER_THREAD
-    flops, an element-wise op only when each half has MIN_ELEMENTS_PER_THREAD elements; the
-    tiny benchmark step then splits its products and GELU but not its row-wise ops."""
+    flops, an element-wise op only when each half has MIN_ELEMENTS_PER_THREAD elements (an
+    op at memory speed, as the residual sum, MIN_STREAM_BYTES_PER_THREAD bytes); the tiny
+    benchmark step then splits its products, attention and GELU."""
     from tfcore import bench
 
     monkeypatch.setattr(kernels, "_threads", lambda: 2)
@@ -590,6 +592,11 @@ def test_an_op_forks_only_when_each_share_is_worth_a_fork_join(monkeypatch, fork
     for n, splits in ((2 * half - 1, 0), (2 * half, 1)):
         fork_joins["fork_joins"] = 0
         kernels.gelu_forward(np.ones(n, dtype=dtype), "tanh")
+        assert fork_joins["fork_joins"] == splits, (n, fork_joins)
+    rows = kernels.MIN_STREAM_BYTES_PER_THREAD // np.dtype(dtype).itemsize // 64
+    for n, splits in ((2 * rows - 1, 0), (2 * rows, 1)):          # [n, 64] + [n, 64]
+        fork_joins["fork_joins"] = 0
+        kernels.add(np.ones((n, 64), dtype=dtype), np.ones((n, 64), dtype=dtype))
         assert fork_joins["fork_joins"] == splits, (n, fork_joins)
     fork_joins["fork_joins"] = 0
     cfg, batch, seq = bench.decoder_config("tiny", dtype, tiled=True)
@@ -853,7 +860,7 @@ def test_add_and_matmul_into_split_over_threads(rng, monkeypatch, dtype, threads
     """kernels.add(a, b) is a + b in a new array (the same bits: each element is one
     addition, on whichever thread), and matmul(a, b, into=c) adds the out it writes into c."""
     monkeypatch.setattr(kernels, "_threads", lambda: threads)
-    monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels, "MIN_STREAM_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     a, b = randn(rng, (5, 7, 3), dtype), randn(rng, (5, 7, 3), dtype)
     total = kernels.add(a, b)

@@ -301,7 +301,8 @@ def add(a, b):
     if out.ndim == 0 or out.size == 0:
         return np.add(a, b, out=out)
     d = out.shape[-1]
-    _split_rows(np.add, (_rows(a, d), _rows(b, d), _rows(out, d)), ())   # np.add(a, b, out)
+    _split_rows(np.add, (_rows(a, d), _rows(b, d), _rows(out, d)), (),   # np.add(a, b, out)
+                per_thread=_streaming(out.dtype))
     return out
 
 
@@ -434,7 +435,7 @@ def cross_entropy_backward(dloss, cache, out=None):
     dz = np.empty_like(probs) if out is None else out
     kernel, scale = _k().cross_entropy_backward, float(dloss) / max(n_valid, 1)
     _split(lambda lo, hi: kernel(probs[lo:hi], safe[lo:hi], valid[lo:hi], scale, dz[lo:hi]),
-           probs.shape[0], probs.shape[1])
+           probs.shape[0], probs.shape[1], _streaming(dz.dtype))
     return dz.reshape(shape)
 
 
@@ -526,10 +527,14 @@ def warm_up(dtypes=("float32", "float64")) -> float:
 # (15-80 microseconds at 1-5 ns per element); below that the op runs on the calling thread
 # alone, with no fork/join at all. Against 2^16 elements, 2^14 took the tiny step at 2 threads
 # 1.5% (float32) and 2% (float64) faster, where the norms and the loss of [1024, 64] rows now
-# split (benchmarks/threads_ab.py measures where splitting pays).
+# split (benchmarks/threads_ab.py measures where splitting pays). An op that makes one or two
+# additions per element it reads (the residual sum, the loss's backward) runs at memory
+# speed, 0.1-0.2 ns per element: its share must write MIN_STREAM_BYTES_PER_THREAD bytes (a
+# float32 sum of 2^19 elements broke even on 2 threads; 2^16 took 42 us split, 15 alone).
 
 MIN_GEMM_FLOPS_PER_THREAD = 2 ** 22
 MIN_ELEMENTS_PER_THREAD = 2 ** 14
+MIN_STREAM_BYTES_PER_THREAD = 2 ** 20
 SPIN_CYCLES = 2 ** 20     # how long a waiting thread polls before it sleeps
 
 _pool: list = []     # the worker threads, made on first use
@@ -740,18 +745,24 @@ def _product_args(slots, a, b, out, bias=None, into=None) -> bool:
     return True
 
 
-def _split(share, n_rows: int, row_width: int) -> None:
-    """share(lo, hi) over the rows lo..hi of an op on n_rows rows of row_width elements."""
-    parts = _parts(n_rows * row_width, MIN_ELEMENTS_PER_THREAD, n_rows)
+def _split(share, n_rows: int, row_width: int, per_thread: int = 0) -> None:
+    """share(lo, hi) over the rows lo..hi of an op on n_rows rows of row_width elements, each
+    share at least per_thread elements (0: MIN_ELEMENTS_PER_THREAD)."""
+    parts = _parts(n_rows * row_width, per_thread or MIN_ELEMENTS_PER_THREAD, n_rows)
     _on_threads([(share, bounds) for bounds in _bounds(n_rows, parts)])
 
 
-def _split_rows(kernel, row_arrays, scalars, row_width=None) -> None:
+def _split_rows(kernel, row_arrays, scalars, row_width=None, per_thread=0) -> None:
     """kernel(*[a[lo:hi] for a in row_arrays], *scalars) over shares of the rows (axis 0)."""
     first = row_arrays[0]
     width = first.shape[-1] if row_width is None else row_width
     _split(lambda lo, hi: kernel(*[a[lo:hi] for a in row_arrays], *scalars),
-           first.shape[0], width)
+           first.shape[0], width, per_thread)
+
+
+def _streaming(dtype) -> int:
+    """The least elements of a thread's share of an op that runs at memory speed."""
+    return MIN_STREAM_BYTES_PER_THREAD // np.dtype(dtype).itemsize
 
 
 def _split_matrices(kernel, arrays, scalars, offset) -> None:
