@@ -414,6 +414,29 @@ def test_tiled_attention_compiled_shares_equal_the_python_loops(rng, monkeypatch
 
 
 @needs_numba
+@DTYPES
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tiled_attention_reads_the_views_of_a_fused_qkv(rng, monkeypatch, dtype, compiled):
+    """q, k, v as the [B, H, S, D_h] views of one [B, S, 3, H, D_h] projection (rows D_h
+    long, 3 H D_h apart) give the bits of their C-contiguous copies, with nothing copied."""
+    _use_compiled_shares(monkeypatch, compiled, dtype)
+    b, s, h, d_h = 2, 70, 3, 8
+    qkv = randn(rng, (b, s, 3, h, d_h), dtype)
+    views = [np.swapaxes(qkv[:, :, i], 1, 2) for i in range(3)]
+    copies = [np.ascontiguousarray(x) for x in views]
+    assert all(kernels.rows_apart(x) and not x.flags.c_contiguous for x in views)
+    dout = randn(rng, (b, h, s, d_h), dtype)
+    results = []
+    for q, k, v in (views, copies):
+        out, lse = kernels.tiled_attention_forward(q, k, v, True, 0.35, block=32, span=64)
+        grads = kernels.tiled_attention_backward(dout, q, k, v, out, lse, True, 0.35,
+                                                 block=32, span=64)
+        results.append((out, lse) + tuple(grads))
+    for a, b_ in zip(*results):
+        assert np.array_equal(a, b_)
+
+
+@needs_numba
 def test_tiled_attention_skips_the_blocks_above_the_diagonal(rng):
     """Counted FLOPs: non-causal = the dense products (the backward recomputes the scores:
     5 products for the dense 4); causal = only the blocks on or below the diagonal."""
@@ -452,8 +475,11 @@ def test_tiled_attention_keeps_nothing_of_size_s_by_s(rng):
 @needs_numba
 def test_tiled_attention_rejects_bad_input(rng):
     q = randn(rng, (1, 2, 6, 4), "float64")
-    with pytest.raises(ValueError, match="C-contiguous"):
-        kernels.tiled_attention_forward(np.swapaxes(q, 1, 2), q, q, False, 0.5)
+    with pytest.raises(ValueError, match="q must be contiguous along its last axis"):
+        kernels.tiled_attention_forward(np.swapaxes(q, 2, 3), q, q, False, 0.5)
+    overlapping = np.lib.stride_tricks.as_strided(q, strides=q.strides[:2] + (8, 8))
+    with pytest.raises(ValueError, match="k must be contiguous along its last axis, its rows"):
+        kernels.tiled_attention_forward(q, overlapping, q, False, 0.5)
     with pytest.raises(TypeError, match="k has dtype float32"):
         kernels.tiled_attention_forward(q, q.astype(np.float32), q, False, 0.5)
     with pytest.raises(ValueError, match="S_k >= S_q"):

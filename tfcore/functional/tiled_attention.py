@@ -134,9 +134,11 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
                     seed=seed)
     if _kernel_applies(q, k, v, settings):
         # the fused CPU kernel (tfcore.kernels): the same tiles, blocks of its own size; it
-        # reads C-contiguous arrays, so views (a fused qkv's) are copied for the call only and
-        # the cache keeps the arrays it was given, as the reference path does
-        out, lse = kernels.tiled_attention_forward(*_contiguous(q, k, v), causal, scale)
+        # reads the [S, D] matrices of q, k, v with their row strides, as BLAS does, so a
+        # fused qkv's views go as they are (anything else is copied for the call only; the
+        # cache keeps the arrays it was given, as the reference path does)
+        out, lse = kernels.tiled_attention_forward(*kernels.as_rows_apart(q, k, v), causal,
+                                                   scale)
         return out, (q, k, v, out, lse, settings)
 
     m = xp.full((batch, heads, s_q, 1), -math.inf, dtype=dtype)     # running row max
@@ -161,10 +163,6 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     out = acc / l                                                   # [B, H, S_q, D_v]
     lse = xp.reshape(m + xp.log(l), (batch, heads, s_q))            # [B, H, S_q]
     return out, (q, k, v, out, lse, settings)
-
-
-def _contiguous(*arrays):
-    return [np.ascontiguousarray(a) for a in arrays]
 
 
 def _kernel_applies(q, k, v, settings) -> bool:
@@ -207,9 +205,8 @@ def tiled_attention_backward(dout, cache):
     q, k, v, out, lse, settings = cache
     checks.upstream_like("dout", dout, out)
     if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):
-        q, k, v, lse = _contiguous(q, k, v, lse)
-        if dout.strides[-1] != dout.itemsize or out.strides[-1] != out.itemsize:
-            dout, out = _contiguous(dout, out)
+        q, k, v, dout, out = kernels.as_rows_apart(q, k, v, dout, out)
+        lse = np.ascontiguousarray(lse)
         return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],
                                                 settings["scale"])
     xp = backend.namespace(q, k, v, dout)

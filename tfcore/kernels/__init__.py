@@ -153,7 +153,12 @@ def _writable_numba_cache() -> None:
                   "path)", RuntimeWarning, stacklevel=3)
 
 
-from ._tiled import tiled_attention_backward, tiled_attention_forward  # noqa: E402,F401
+from ._tiled import (  # noqa: E402,F401
+    as_rows_apart,
+    rows_apart,
+    tiled_attention_backward,
+    tiled_attention_forward,
+)
 
 
 def _rows(x, width):

@@ -690,6 +690,13 @@ def _product(function, trans_a, trans_b, m, n, k, a, lda, b, ldb, accumulate, c,
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _ld(x):
+    """The leading dimension of the [S, D] matrices of x [b, H, S, D] (rows apart: see
+    _tiled.rows_apart), at least D as BLAS wants it (with S = 1 the stride may be less)."""
+    return max(x.strides[2] // x.itemsize, x.shape[3])
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _at(x, b, h, row):
     """The address of x[b, h, row] (x 4-D)."""
     return x.ctypes.data + b * x.strides[0] + h * x.strides[1] + row * x.strides[2]
@@ -707,7 +714,7 @@ def tiled_forward_share(q, k_t, v, out, lse, causal, scale, block, span, scores,
     batch, heads, s_q, d_h = q.shape
     s_k, d_v, size = k_t.shape[3], v.shape[3], q.itemsize
     offset = s_k - s_q
-    ld_q, ld_v, ld_out = q.strides[2] // size, v.strides[2] // size, out.strides[2] // size
+    ld_q, ld_v, ld_out = _ld(q), _ld(v), _ld(out)
     for b in range(batch):
         for h in range(heads):
             for i0 in range(0, s_q, block):
@@ -754,8 +761,7 @@ def tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal, scale, b
     batch, heads, s_q, d_h = q.shape
     s_k, d_v, size = k.shape[2], v.shape[3], q.itemsize
     offset = s_k - s_q
-    ld_q, ld_k, ld_do = q.strides[2] // size, k.strides[2] // size, dout.strides[2] // size
-    ld_dq, ld_dk, ld_dv = dq.strides[2] // size, dk.strides[2] // size, dv.strides[2] // size
+    ld_q, ld_k, ld_do, ld_dq, ld_dk, ld_dv = _ld(q), _ld(k), _ld(dout), _ld(dq), _ld(dk), _ld(dv)
     for b in range(batch):
         for h in range(heads):
             for j0 in range(0, s_k, block):

@@ -50,23 +50,41 @@ _LABEL = "tiled attention"
 COMPILED = True
 
 
+def rows_apart(x) -> bool:
+    """Whether x's rows (its last axis) are each contiguous and lie apart, in order: the
+    layout BLAS reads with a leading dimension (the [B, H, S, D] views of a [B, S, 3, H, D]
+    projection are; a view with a strided last axis, or rows that overlap, is not)."""
+    if x.ndim < 2:
+        return x.ndim == 1 and (x.shape[0] <= 1 or x.strides[0] == x.itemsize)
+    width = x.shape[-1]
+    return ((width <= 1 or x.strides[-1] == x.itemsize) and min(x.strides) >= 0
+            and (x.shape[-2] <= 1 or x.strides[-2] >= width * x.itemsize))
+
+
+def as_rows_apart(*arrays) -> list:
+    """Each array as it is where its rows lie apart (see rows_apart), else a C-contiguous
+    copy: what the tiled kernels read."""
+    return [a if rows_apart(a) else np.ascontiguousarray(a) for a in arrays]
+
+
 def _check(name, x, ndim=4, rows=False):
-    """x a NumPy float array of `ndim` dimensions, C-contiguous (rows=True: only its last
-    axis need be, as in the [B, H, S, D] view of a [B, S, H, D] array)."""
+    """x a NumPy float array of `ndim` dimensions, C-contiguous (rows=True: rows apart, see
+    rows_apart: as the [B, H, S, D] view of a [B, S, H, D] array)."""
     if type(x) is not np.ndarray or x.dtype not in (np.float32, np.float64):
         raise TypeError(f"{name} must be a NumPy float32 or float64 array, got "
                         f"{type(x).__name__} {getattr(x, 'dtype', '')}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {x.shape}")
-    if rows and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
-        raise ValueError(f"{name} must be contiguous along its last axis")
+    if rows and not rows_apart(x):
+        raise ValueError(f"{name} must be contiguous along its last axis, its rows apart "
+                         f"(strides {x.strides})")
     if not rows and not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
 
 
 def _check_qkv(q, k, v, causal):
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check(name, x)
+        _check(name, x, rows=True)
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, expected q's {q.dtype}")
     b, h, s_q, d_h = q.shape

@@ -197,15 +197,14 @@ def core_attention_forward(q, k, v, spec, rng=None, training=False):
 
 def _tiled_kernel_forward(qkv, spec):
     """qkv [B, S, 3D] -> (a [B, H, S, D_h], cache): tiled_attention_forward's kernel call,
-    without dropout, masks or rotary. q, k and v are made C-contiguous once, as one
-    [3, B, H, S, D_h] copy of qkv that the cache keeps in qkv's place (the same bytes): the
-    kernel reads them as they lie in the forward and again in the backward."""
+    without dropout, masks or rotary. q, k and v are [B, H, S, D_h] views of qkv, which the
+    kernel reads with their row stride (3D) in the forward and again in the backward: no
+    copy, and each thread's share of the batch is the rows it made in the projection."""
     batch, seq, width3 = qkv.shape
     heads = spec.n_heads
     d_h = width3 // 3 // heads
-    qkv_heads = np.ascontiguousarray(
-        qkv.reshape(batch, seq, 3, heads, d_h).transpose(2, 0, 3, 1, 4))  # [3, B, H, S, D_h]
-    q, k, v = qkv_heads[0], qkv_heads[1], qkv_heads[2]
+    qkv_heads = qkv.reshape(batch, seq, 3, heads, d_h)                  # [B, S, 3, H, D_h]
+    q, k, v = (np.swapaxes(qkv_heads[:, :, i], 1, 2) for i in range(3))  # [B, H, S, D_h]
     scale = 1.0 / math.sqrt(d_h)
     causal = bool(spec.causal)
     out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
@@ -289,12 +288,11 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
         _, q, k, v, replay, training = c_att
         _, c_att = core_attention_forward(q, k, v, spec, replay, training)
     if spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
-        q, k, v, out, lse = c_att[:5]       # q, k, v contiguous (see _tiled_kernel_forward);
+        q, k, v, out, lse = c_att[:5]       # q, k, v: views of qkv (_tiled_kernel_forward);
         settings = c_att[5]                 # out and da are [B, H, S, D_h] views of [B, S, D]
-        dq, dk, dv = kernels.tiled_attention_backward(da, np.ascontiguousarray(q),
-                                                      np.ascontiguousarray(k),
-                                                      np.ascontiguousarray(v), out, lse,
-                                                      settings["causal"], settings["scale"])
+        dq, dk, dv = kernels.tiled_attention_backward(da, *kernels.as_rows_apart(q, k, v), out,
+                                                      lse, settings["causal"],
+                                                      settings["scale"])
         del q, k, v, out, lse
     else:
         backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
