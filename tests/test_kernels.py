@@ -331,7 +331,7 @@ def test_gelu_in_chunks_over_threads(rng, dtype, form, threads):
         assert_close(*both(F.gelu_backward, dy, cache), dtype)
         expected = F.gelu_backward(dy, cache)
         assert F.gelu_backward(dy, cache, out=dy) is dy      # in place, chunk by chunk
-        assert_close(dy, expected, dtype)
+        assert np.array_equal(dy, expected)        # another kernel, the same arithmetic
     finally:
         numba.set_num_threads(previous)
 

@@ -250,7 +250,10 @@ def _gelu_backward_chunk(dy, x, dx, approximate, t, u=None, w=None):
         k, c = _k(), _gelu_constants(x.dtype)
         k.gelu_tanh_argument(x, t, c)
         np.tanh(t, out=t)
-        k.gelu_tanh_grad(dy, x, t, dx, c)    # one loop where the reference makes 15 passes
+        if dx.ctypes.data == dy.ctypes.data:    # one loop where the reference makes 15
+            k.gelu_tanh_grad_in_place(dy, x, t, c)          # passes
+        else:
+            k.gelu_tanh_grad(dy, x, t, dx, c)
         return
     if approximate == "tanh":
         _gelu_tanh_t_chunk(x, t)
@@ -438,9 +441,16 @@ def cross_entropy_backward(dloss, cache, out=None):
     """The reference's cache -> dlogits [..., V] (out [N, V]: may be the cache's probs)."""
     probs, safe, valid, n_valid, shape = cache
     dz = np.empty_like(probs) if out is None else out
-    kernel, scale = _k().cross_entropy_backward, float(dloss) / max(n_valid, 1)
-    _split(lambda lo, hi: kernel(probs[lo:hi], safe[lo:hi], valid[lo:hi], scale, dz[lo:hi]),
-           probs.shape[0], probs.shape[1], _streaming(dz.dtype))
+    scale = float(dloss) / max(n_valid, 1)
+    if dz.ctypes.data == probs.ctypes.data:           # in place (see gelu_tanh_grad_in_place)
+        kernel = _k().cross_entropy_backward_in_place
+        _split(lambda lo, hi: kernel(probs[lo:hi], safe[lo:hi], valid[lo:hi], scale),
+               probs.shape[0], probs.shape[1], _streaming(dz.dtype))
+    else:
+        kernel = _k().cross_entropy_backward
+        _split(lambda lo, hi: kernel(probs[lo:hi], safe[lo:hi], valid[lo:hi], scale,
+                                     dz[lo:hi]), probs.shape[0], probs.shape[1],
+               _streaming(dz.dtype))
     return dz.reshape(shape)
 
 
@@ -478,6 +488,8 @@ def warm_up(dtypes=("float32", "float64")) -> float:
         x = np.linspace(-2, 2, 24, dtype=name).reshape(2, 3, 4)
         for form in ("none", "tanh"):
             gelu_backward(x, x, form)
+            dy = x.copy()
+            gelu_backward(dy, x, form, out=dy)           # in place: another kernel
             gelu_forward(x, form)
         s = softmax_forward(x)
         softmax_backward(x, s)
@@ -492,6 +504,7 @@ def warm_up(dtypes=("float32", "float64")) -> float:
         labels = np.zeros(6, dtype=np.int64)
         probs, _ = cross_entropy_forward(x.reshape(6, 4), labels, labels == 0)
         cross_entropy_backward(1.0, (probs, labels, labels == 0, 6, (6, 4)))
+        cross_entropy_backward(1.0, (probs, labels, labels == 0, 6, (6, 4)), out=probs)
         flat = x.reshape(-1).copy()
         adamw_update(flat, flat, flat.copy(), flat * 0, 1e-3, 0.9, 0.99, 1e-8, 0.1, 0.1, 0.01,
                      None)

@@ -472,8 +472,8 @@ def cross_entropy_forward(z, safe, valid, probs, nll):
             nll[r] = 0.0
 
 
-@njit(**_JIT)
-def cross_entropy_backward(probs, safe, valid, scale, dz):
+@njit(inline="always", **_JIT)
+def _cross_entropy_backward(probs, safe, valid, scale, dz):
     """dz = scale * (probs - onehot(label)) on valid rows, 0 on ignored rows (dz may be probs).
 
     The label's entry is formed in float64 and rounded once: read back from float32
@@ -490,6 +490,18 @@ def cross_entropy_backward(probs, safe, valid, scale, dz):
         else:
             for j in range(v):
                 dz[r, j] = 0.0
+
+
+@njit(**_JIT)
+def cross_entropy_backward(probs, safe, valid, scale, dz):
+    """_cross_entropy_backward into dz, another array than probs."""
+    _cross_entropy_backward(probs, safe, valid, scale, dz)
+
+
+@njit(**_JIT)
+def cross_entropy_backward_in_place(probs, safe, valid, scale):
+    """_cross_entropy_backward into probs itself (see gelu_tanh_grad_in_place)."""
+    _cross_entropy_backward(probs, safe, valid, scale, probs)
 
 
 # -- AdamW over flat buffers [P] ----------------------------------------------------------
@@ -553,8 +565,8 @@ def gelu_tanh_output(x, t, y, c):
         y[i] = ((t[i] + c[2]) * c[3]) * x[i]
 
 
-@njit(**_JIT)
-def gelu_tanh_grad(dy, x, t, dx, c):
+@njit(inline="always", **_JIT)
+def _gelu_tanh_grad(dy, x, t, dx, c):
     """t = tanh(...) [n] -> dx [n] = dy (0.5 x (1 - t^2) du/dx + 0.5 (1 + t)), with
     du/dx = sqrt(2/pi) (1 + 3 * 0.044715 clip(x)^2): the reference's order (dx may be dy)."""
     clip = c[6]
@@ -570,6 +582,20 @@ def gelu_tanh_grad(dy, x, t, dx, c):
         u = ((((ti * ti) * c[5] + c[2]) * xi) * du) * c[3]
         u = u + (ti + c[2]) * c[3]
         dx[i] = u * dy[i]
+
+
+@njit(**_JIT)
+def gelu_tanh_grad(dy, x, t, dx, c):
+    """_gelu_tanh_grad into dx, another array than dy."""
+    _gelu_tanh_grad(dy, x, t, dx, c)
+
+
+@njit(**_JIT)
+def gelu_tanh_grad_in_place(dy, x, t, c):
+    """_gelu_tanh_grad into dy itself. One array, so LLVM knows that the loop's loads and
+    stores of an element do not cross others: given dx and dy that alias, it checks their
+    ranges at run time, finds that they overlap and runs the scalar loop (3 times slower)."""
+    _gelu_tanh_grad(dy, x, t, dy, c)
 
 
 # -- tiled attention: the element-wise work of one block of scores ------------------------
