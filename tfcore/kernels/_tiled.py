@@ -6,7 +6,9 @@
 q, dout, out [B, H, S_q, D_h]; k, v [B, H, S_k, D_h] (v may have another width D_v);
 lse [B, H, S_q] = log sum_j exp(scale * q_i k_j) over the keys query i sees (the row
 log-sum-exp of the scaled scores). Causal: query i sees key j when j <= i + S_k - S_q, as in
-tfcore.functional.attention_forward.
+tfcore.functional.attention_forward. q, k, v, dout and out need only have their rows apart
+(rows_apart): the [B, H, S, D_h] views of a fused qkv projection [B, S, 3, H, D_h] are read
+as they lie, with their row stride, as BLAS reads a matrix.
 
 The forward takes the queries in blocks of BLOCK rows; each meets the keys it sees in blocks
 of up to SPAN columns, and keeps, per query row, the running maximum m, the running sum l of
@@ -29,7 +31,11 @@ attention_backward_block), one pass per block.
 The work is split over the batch (or, with a batch smaller than the thread count, the heads):
 each thread runs the whole blocked loop on its share with a single-threaded BLAS, so there is
 one fork/join per call rather than one per small product, and none for a call too small to
-pay for it (see the thread policy of tfcore.kernels). Every product is counted by
+pay for it (see the thread policy of tfcore.kernels). A share's loops run compiled
+(_numba.tiled_forward_share, tiled_backward_share: the gemm NumPy calls, called with
+np.matmul's arguments, one (batch row, head) at a time), so a share takes Python's lock once;
+the Python loops below, batch rows at a time through np.matmul, are the fallback where that
+gemm cannot be called (COMPILED) and make the same bits. Every product is counted by
 tfcore.backend.count_matmuls under the label "tiled attention".
 """
 from __future__ import annotations
