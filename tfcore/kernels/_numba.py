@@ -733,10 +733,10 @@ def tiled_forward_share(q, k_t, v, out, lse, causal, scale, block, span, scores,
                         running, function, counted):
     """_tiled._forward_rows for every (batch row, head) of a share, one after the other.
 
-    q [b, H, S_q, D_h], k_t [b, H, D_h, S_k] (k transposed), v [b, H, S_k, D_v]: C-contiguous;
-    out [b, H, S_q, D_v], lse [b, H, S_q]: rows contiguous; scratch: scores
-    [>= block * span], product [>= block * D_v], running [3, 1, 1, >= block] (m, l, alpha);
-    function: the gemm's address; counted [2]: products made (see _product)."""
+    q [b, H, S_q, D_h], v [b, H, S_k, D_v], out [b, H, S_q, D_v]: rows apart (see
+    _tiled.rows_apart); k_t [b, H, D_h, S_k] (k transposed): C-contiguous; lse [b, H, S_q];
+    scratch: scores [>= block * span], product [>= block * D_v], running [3, 1, 1, >= block]
+    (m, l, alpha); function: the gemm's address; counted [2]: products made (see _product)."""
     batch, heads, s_q, d_h = q.shape
     s_k, d_v, size = k_t.shape[3], v.shape[3], q.itemsize
     offset = s_k - s_q
@@ -746,8 +746,9 @@ def tiled_forward_share(q, k_t, v, out, lse, causal, scale, block, span, scores,
             for i0 in range(0, s_q, block):
                 i1 = min(i0 + block, s_q)
                 bq = i1 - i0
-                m_i, l_i, alpha_i = running[0, :, :, :bq], running[1, :, :, :bq], \
-                    running[2, :, :, :bq]
+                m_i = running[0, :, :, :bq]             # the running max, sum and factor
+                l_i = running[1, :, :, :bq]
+                alpha_i = running[2, :, :, :bq]
                 m_i[...] = -np.inf
                 l_i[...] = 0.0
                 acc = out[b:b + 1, h:h + 1, i0:i1]
@@ -779,8 +780,8 @@ def tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal, scale, b
                          probs, dscores, transposed, function, counted):
     """_tiled._backward_rows for every (batch row, head) of a share, one after the other.
 
-    q [b, H, S_q, D_h], k [b, H, S_k, D_h], v [b, H, S_k, D_v]: C-contiguous; dout, dq, dk,
-    dv: rows contiguous; lse, delta [b, H, S_q]; scratch: probs and dscores
+    q [b, H, S_q, D_h], k [b, H, S_k, D_h], v [b, H, S_k, D_v], dout, dq, dk, dv: rows apart
+    (see _tiled.rows_apart); lse, delta [b, H, S_q]; scratch: probs and dscores
     [>= span * block], transposed [>= block * (D_h + D_v)] (k_j^T and v_j^T of a key
     block); function, counted as in tiled_forward_share. The products that add into dq, dk
     and dv (after a key's or a query's first block) add in the gemm (beta = 1)."""
