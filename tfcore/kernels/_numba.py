@@ -604,6 +604,12 @@ def gelu_tanh_grad_in_place(dy, x, t, c):
 # shift >= bk for no mask). scale > 0, a scalar of the storage dtype.
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _keys_seen(i, shift, bk):
+    """How many of the block's bk keys query row i sees: those c <= i + shift."""
+    return min(max(i + shift + 1, 0), bk)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _round_up(limit, multiple, width):
     """limit rounded up to a multiple of `multiple`, at most `width`. An exp to there runs
     whole vectors (multiple: the elements of 64 bytes) with no scalar remainder, which in
@@ -628,7 +634,7 @@ def attention_forward_block(s, scale, shift, m, l, alpha):
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
-                limit = min(max(i + shift + 1, 0), bk)
+                limit = _keys_seen(i, shift, bk)
                 m_old = m[b, h, i]
                 m_new = max(m_old, _row_max(s[b, h, i], limit) * scale)
                 alpha[b, h, i] = math.exp(m_old - m_new) if m_new > -np.inf else 1.0
@@ -636,13 +642,13 @@ def attention_forward_block(s, scale, shift, m, l, alpha):
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
-                stop = _round_up(min(max(i + shift + 1, 0), bk), 64 // s.itemsize, bk)
+                stop = _round_up(_keys_seen(i, shift, bk), 64 // s.itemsize, bk)
                 exp_rows_into(s[b, h, i], stop, scale, m[b, h, i])   # one SIMD loop a row
     for b in range(batch):
         for h in range(heads):
             for i in range(bq):
                 row = s[b, h, i]
-                limit = min(max(i + shift + 1, 0), bk)
+                limit = _keys_seen(i, shift, bk)
                 row[limit:] = 0.0
                 stop = _round_up(limit, 8, bk)        # the sum's lanes: the bits of bk's
                 l[b, h, i] = l[b, h, i] * alpha[b, h, i] + _row_sum(row, stop)
@@ -682,7 +688,7 @@ def attention_backward_block(s, dp, lse, delta, scale, shift):
         for h in range(heads):
             for i in range(bq):
                 row, drow = s[b, h, i], dp[b, h, i]
-                limit = min(max(i + shift + 1, 0), bk)
+                limit = _keys_seen(i, shift, bk)
                 exp_rows_into(row, _round_up(limit, 64 // s.itemsize, bk), scale, lse[b, h, i])
                 d = delta[b, h, i]
                 for j in range(limit):
