@@ -785,11 +785,13 @@ def _streaming(dtype) -> int:
 
 def _split_matrices(kernel, arrays, scalars, offset) -> None:
     """A causal softmax kernel(*arrays [R, S_q, S_k], *scalars, offset) over shares of the R
-    matrices, or of the query rows when R is smaller than the thread count (the share that
-    starts at query row lo sees its keys through offset + lo)."""
+    matrices, or of the query rows of a single matrix (R = 1; the share that starts at query
+    row lo sees its keys through offset + lo): each share C-contiguous, as the kernels' row
+    sums want their rows."""
     n_mat, s_q, s_k = arrays[0].shape
     parts = _parts(n_mat * s_q * s_k, MIN_ELEMENTS_PER_THREAD, n_mat * s_q)
-    if parts <= n_mat:
+    if parts <= n_mat or n_mat > 1:
+        parts = min(parts, n_mat)
         _on_threads([(kernel, tuple(a[lo:hi] for a in arrays) + tuple(scalars) + (offset,))
                      for lo, hi in _bounds(n_mat, parts)])
     else:

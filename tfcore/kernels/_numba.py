@@ -311,29 +311,28 @@ def softmax_backward_rows(ds, s, dz, scale):
 
 @njit(**_JIT)
 def causal_softmax_inplace(z, scale, offset):
-    """z [R, S_q, S_k] scores -> in place A = softmax(scale * z + causal mask) over the keys.
+    """z [R, S_q, S_k] scores (C-contiguous) -> in place A = softmax(scale * z + causal mask)
+    over the keys.
 
     Query i sees keys j <= i + offset (offset = S_k - S_q); the masked entries become 0
-    without an exp. Without a causal mask pass offset >= S_k.
+    without an exp. Without a causal mask pass offset >= S_k. The exp is exp_rows_into's, in
+    the storage dtype, of scale z - scale m (m the row's maximum; the reference's
+    scale (z - m) up to the last bits), to the causal limit rounded up to whole vectors (see
+    _round_up): 3-4 times faster than a libm exp an element.
     """
     n_mat, s_q, s_k = z.shape
+    mul = z.dtype.type(scale)
     for index in range(n_mat * s_q):
         r = index // s_q
         i = index - r * s_q
         limit = min(i + offset + 1, s_k)
-        m = -np.inf
+        row = z[r, i]
+        sub = z.dtype.type(scale * _row_max(row, limit))
+        exp_rows_into(row, _round_up(limit, 64 // z.itemsize, s_k), mul, sub)
+        row[limit:] = 0.0
+        inv = 1.0 / _row_sum(row, _round_up(limit, 8, s_k))
         for j in range(limit):
-            m = max(m, np.float64(z[r, i, j]))
-        total = 0.0
-        for j in range(limit):
-            e = math.exp((np.float64(z[r, i, j]) - m) * scale)
-            z[r, i, j] = e
-            total += e
-        inv = 1.0 / total
-        for j in range(limit):
-            z[r, i, j] = z[r, i, j] * inv
-        for j in range(limit, s_k):
-            z[r, i, j] = 0.0
+            row[j] = row[j] * inv
 
 
 @njit(**_JIT)
