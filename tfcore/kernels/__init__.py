@@ -754,7 +754,7 @@ def _product_args(slots, a, b, out, bias=None, into=None) -> bool:
     slots[sp.A], slots[sp.LDA] = a.ctypes.data, layout_a[1]
     slots[sp.B], slots[sp.LDB] = b.ctypes.data, layout_b[1]
     slots[sp.C], slots[sp.LDC] = out.ctypes.data, layout_out[1]
-    slots[sp.FUNCTION] = _gemm_addresses[1 if double else 0]
+    slots[sp.FUNCTION] = _gemm_address(dtype)
     slots[sp.DOUBLE] = int(double)
     if bias is not None:
         slots[sp.BIAS] = bias.ctypes.data

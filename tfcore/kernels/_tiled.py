@@ -203,8 +203,7 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
         from . import _k
 
         counted = np.zeros(2, dtype=np.int64)
-        delta = np.einsum("bhsd,bhsd->bhs", dout, out)          # as in _backward_rows
-        _k().tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal,
+        _k().tiled_backward_share(dout, q, k, v, lse, _row_dots(dout, out), dq, dk, dv, causal,
                                   q.dtype.type(scale), block, span,
                                   np.empty(rows * cols, dtype=q.dtype),
                                   np.empty(rows * cols, dtype=q.dtype),
@@ -233,8 +232,7 @@ def _backward_rows(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
     batch, heads, s_q, _ = q.shape
     s_k = k.shape[2]
     offset = s_k - s_q
-    # delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense backward    [b, H, S_q]
-    delta = np.einsum("bhsd,bhsd->bhs", dout, out)
+    delta = _row_dots(dout, out)                                     # [b, H, S_q]
     for j0 in range(0, s_k, block):
         j1 = min(j0 + block, s_k)
         bk = j1 - j0
@@ -260,6 +258,12 @@ def _backward_rows(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
             _accumulate(np.swapaxes(p, -1, -2), doi, dvj, i0 == first, product)   # p^T dout
             _accumulate(np.swapaxes(dp, -1, -2), qi, dkj, i0 == first, product)   # dZ^T q
             _accumulate(dp, kj, dq[:, :, i0:i1], j0 == 0, product)               # dZ k
+
+
+def _row_dots(dout, out):
+    """delta [b, H, S_q], delta_i = sum_d dout_id out_id = rowsum(dA * A) of the dense
+    backward."""
+    return np.einsum("bhsd,bhsd->bhs", dout, out)
 
 
 def _accumulate(a, b, out, first, scratch):
