@@ -11,7 +11,7 @@ from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import SimulatedGroup, bubble_fraction
 from tfcore.parallel.context import train_context_parallel
 from tfcore.parallel.pipeline import train_pipeline
-from tfcore.parallel.plan import plan
+from tfcore.parallel import plan
 from tfcore.parallel.runner import CONFIGS
 
 SEQ = 8

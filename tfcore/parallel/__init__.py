@@ -12,7 +12,8 @@ interface.
     context     ring attention over the sequence, ContextParallelDecoder
     volume      closed forms of bytes per collective and per step, parameters per rank
     runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
-    plan        the calculator: memory per rank, bytes per step and bubble of a layout
+    planning    plan(config, dp=, tp=, ...), the calculator: memory per rank, bytes per
+                step and bubble of a layout (also tfcore.parallel.plan)
 """
 from .comm import (  # noqa: F401
     CallRecord,
@@ -28,3 +29,4 @@ from .mesh import Mesh  # noqa: F401
 from .model import TensorParallelDecoder  # noqa: F401
 from .optimizer import DataParallelAdamW  # noqa: F401
 from .pipeline import bubble_fraction, peak_stored_microbatches  # noqa: F401
+from .planning import Plan, plan  # noqa: F401
