@@ -14,7 +14,8 @@ Each sub-block is enter -> column-parallel -> local work -> row-parallel -> exit
 enter/exit are f/g (identity/all-reduce and its conjugate) or, with sequence parallelism,
 all-gather/reduce-scatter along S; the residual stream, the norms and dropout then run on
 [B, S/N, D] and the gradients of the replicated parameters, computed from a block of the
-sequence on each rank, are summed over the group after backward (one all-reduce).
+sequence on each rank, are summed over the group after backward (one all-reduce of this
+backward's contribution only: what earlier micro-batches accumulated is summed already).
 """
 from __future__ import annotations
 
@@ -382,8 +383,9 @@ class TensorParallelDecoder:
 
     def backward(self, dloss: float = 1.0, after_unit=None):
         """Add this rank's gradients into params.grad (every tensor's block, or the whole
-        replicated tensor); with sequence parallelism the replicated tensors' gradients are
-        summed over the tensor-parallel group at the end (one all-reduce).
+        replicated tensor); with sequence parallelism the replicated tensors' gradients of
+        this backward are summed over the tensor-parallel group at the end (one all-reduce)
+        and added to what they held before (earlier micro-batches, summed already).
 
         dloss: the upstream gradient of the loss (a micro-batch's weight c_k / T_c when
         accumulating). after_unit(label): called when the gradients of a unit are final,
@@ -402,6 +404,8 @@ class TensorParallelDecoder:
             raise RuntimeError("backward() needs a forward() with targets first")
         self._cache = None
         cfg, p = self.config, self.params
+        summed = self.sp and self.tp.size > 1
+        before = self._take_replicated_grads() if summed else None
         dlogits = L.vocab_parallel_cross_entropy_backward(dloss, c_loss)  # [B, S, V_r]
         dx = self._head_backward(dlogits, c_lnf, c_head)                  # [B, S_loc, D]
         done("head")
@@ -414,15 +418,28 @@ class TensorParallelDecoder:
             p.grad_of("wpe")[s0:s1, :] += dP
         nn.accumulate(p, "wte", L.vocab_parallel_embedding_backward(dx, c_emb))
         done("embed")
-        if self.sp and self.tp.size > 1:
-            self.sum_replicated_grads()
+        if summed:
+            self.sum_replicated_grads(before)
 
-    def sum_replicated_grads(self):
+    def _take_replicated_grads(self):
+        """The replicated tensors' gradients so far (a flat copy), then zeroed: the
+        backward that follows adds only its own contribution to them."""
+        xp = backend.namespace(self.params.grad)
+        views = [xp.reshape(self.params.grad_of(n), (-1,)) for n in self.replicated]
+        before = xp.concat(views, axis=0)                                   # a copy
+        for name in self.replicated:
+            self.params.grad_of(name)[...] = 0
+        return before
+
+    def sum_replicated_grads(self, before=None):
         """Sum the gradients of the replicated tensors over the tensor-parallel group: under
-        sequence parallelism each rank computed them from its own block of the sequence."""
+        sequence parallelism each rank computed them from its own block of the sequence.
+        before: what they held before this backward (already summed), added back after."""
         xp = backend.namespace(self.params.grad)
         views = [xp.reshape(self.params.grad_of(n), (-1,)) for n in self.replicated]
         total = self.tp.all_reduce(xp.concat(views, axis=0))
+        if before is not None:
+            total = before + total
         start = 0
         for name, view in zip(self.replicated, views):
             self.params.grad_of(name)[...] = xp.reshape(total[start:start + view.shape[0]],
