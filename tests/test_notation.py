@@ -5,8 +5,9 @@ The drift check reads the mathematics ($...$ and $$...$$) of every markdown cell
 chapter and of the Markdown pages, and flags the uses that the table rules out: the MLP width
 written D_ff (it is F), N_d for the data-parallel size (N_D), the loss written L(...) or as a
 bare \\ell (it is \\mathcal{L}; \\ell carries a token's subscript), hidden states written
-h_t or h^{(l)} (they are X; h is the finite-difference step) and the token count written
-N = BS or N_valid (it is T = BS and T_c). The errata appendix and the page of source notes
+h_t or h^{(l)} (they are X; h is the finite-difference step), the token count written
+N = BS or N_valid (it is T = BS and T_c), and, for the chapters on training at scale, the
+micro-batches counted as K (it is n_\\mu; K is the key matrix). The errata appendix and the page of source notes
 quote the notes in the notes' own notation, so they are not checked.
 """
 from __future__ import annotations
@@ -20,11 +21,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
-QUOTING = {"appendix_errata.ipynb", "source_notes.md"}  # quote the notes' notation
+QUOTING = {"appendix_errata.ipynb", "appendix_errata_references.ipynb",
+           "source_notes.md"}  # quote the notes' and the papers' notation
 
 # The notation every contributor uses (chapter 1's table must define each, once).
 REQUIRED = ("T", "T_c", "N", "L", "H", "D_h", "F", "N_T", "N_D", "X", "h", r"\epsilon",
-            r"\mathcal{L}", r"\ell_t", "G")
+            r"\mathcal{L}", r"\ell_t", "G",
+            # the chapters on training at scale (15 to 23)
+            "f", "m", r"n_\mu", r"B_\mu", "N_P", "N_C", "p", "B_r", "B_c", r"\mathrm{lse}",
+            r"H_\text{kv}", "c", "c_r", r"\Psi")
 
 NOT_AFTER = r"(?<![\\A-Za-z_{^])"  # not part of a longer name, a subscript or a command
 DRIFT = {
@@ -51,6 +56,9 @@ DRIFT = {
         re.compile(r"(?<![A-Za-z_])N\s*=\s*B\s*(?:\\cdot\s*)?S"),
     "N_valid / N_tok for the counted tokens (it is T_c)":
         re.compile(r"N_\{?\\(?:text|mathrm)\{(?:valid|tok)"),
+    # 1/K, T_c/K: an accumulation weight over K micro-batches (K is the key matrix)
+    "K for the micro-batches (it is n_\\mu)":
+        re.compile(r"(?<![A-Za-z_])(?:1|T_c)\s*/\s*K(?![A-Za-z_])"),
 }
 MATH = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$", re.S)
 
@@ -121,7 +129,11 @@ def test_the_table_gives_the_agreed_meanings():
                       "F": "MLP", "N_T": "tensor-parallel", "N_D": "data-parallel",
                       "X": "hidden states", "h": "finite-difference step",
                       r"\epsilon": "normalization", r"\mathcal{L}": "loss",
-                      r"\ell_t": "token", "G": "upstream gradient", "H": "heads"}
+                      r"\ell_t": "token", "G": "upstream gradient", "H": "heads",
+                      "f": "bytes per element", r"n_\mu": "micro-batches",
+                      "N_P": "pipeline stages", "p": "dropout", "m": "running maximum",
+                      r"\mathrm{lse}": "log-sum-exp", "B_r": "tile", "B_c": "tile",
+                      r"H_\text{kv}": "key/value heads", r"\Psi": "bytes"}
     for symbol, word in expected_words.items():
         assert word in table[symbol][0], (symbol, table[symbol][0], word)
 
@@ -140,7 +152,7 @@ PLANTED = [
     r"$h_{l}$", r"$Z = h\,W_E^\top$", r"$dZ^\top h$", r"$h = \tanh(Z)$", r"$y = hW$",
     r"$N = B \cdot S$ tokens", r"$N = BS$", r"$dZ = P / N_\text{valid}$",
     r"$$\begin{aligned} y &= L(x) \end{aligned}$$", r"$\partial L / \partial X$",
-    r"$\nabla L$", r"$\frac{dL}{dx}$",
+    r"$\nabla L$", r"$\frac{dL}{dx}$", r"$w_k = 1/K$", r"$c_k = T_c/K$",
 ]
 CLEAN = [
     r"$F = 4D$", r"$N_D$ replicas", r"$N_T$ ranks", r"$\mathcal{L}(\theta)$", r"$\ell_t$",
@@ -150,6 +162,7 @@ CLEAN = [
     r"$\frac{\partial \mathcal{L}}{\partial X}$", "plain text: L(x) and N = BS outside math",
     r"$N_\text{mm} = L(4D^2 + 2DF) + DV$", r"$L(8TD + 2T)$", r"$\mathcal L(\theta + h u)$",
     r"$\partial \mathcal{L} / \partial X_L$", r"$\nabla_\theta \mathcal L$", r"$dX_L$",
+    r"$w_k = c_k / T_c$", r"$1/n_\mu$", r"$\sum_{k=1}^{K} a_{ik} b_{kj}$", r"$1/K_J$",
 ]
 
 
