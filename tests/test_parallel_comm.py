@@ -160,3 +160,56 @@ def test_agreement_headers_are_not_counted_and_change_nothing():
     (plain, sent_plain), (checked, sent_checked) = runs
     np.testing.assert_array_equal(plain["params"], checked["params"])
     assert sent_plain == sent_checked
+
+
+def test_the_simulation_checks_call_headers_by_default():
+    """As under MPI: an all_reduce of shape (4,) on one rank and (2, 2) on another (the
+    same number of elements, so the messages alone would fit) is refused on every rank."""
+    def body(comm):
+        comm.all_reduce(np.ones((4,) if comm.rank else (2, 2)))
+
+    with pytest.raises(ValueError, match="called different collectives") as caught:
+        SimulatedGroup(2).run(body)
+    assert "called all_reduce(shape (2, 2), float64, op sum)" in str(caught.value)
+    assert "called all_reduce(shape (4,), float64, op sum)" in str(caught.value)
+    assert SimulatedGroup(2, check_calls=False).run(lambda c: c.check_calls) == [False] * 2
+
+
+@pytest.mark.parametrize("kind", ["dp", "zero3", "pipeline", "context"])
+def test_replicas_from_different_seeds_are_refused_before_step_1(kind):
+    """Each rank given its own seed: every training function compares the initial
+    parameters and batches first (the all-reduced loss would not show replicas that differ),
+    and fails on every rank before any step."""
+    from tfcore.parallel import context, fsdp, pipeline, runner
+
+    config = runner.CONFIGS["tiny"]()
+    calls = {"dp": lambda c: runner.train_parallel(c, config, 2, 4, 8, dp=2, seed=c.rank),
+             "zero3": lambda c: fsdp.train_sharded(c, config, 2, 4, 8, dp=2, seed=c.rank),
+             "pipeline": lambda c: pipeline.train_pipeline(c, config, 2, 4, 8, pp=2,
+                                                           n_microbatches=2, seed=c.rank),
+             "context": lambda c: context.train_context_parallel(c, config, 2, 4, 8,
+                                                                 seed=c.rank)}
+    def body(comm):
+        try:
+            calls[kind](comm)
+        except ValueError as err:
+            return str(err)
+
+    messages = SimulatedGroup(2).run(body)
+    assert messages == ["the initial parameters differ across ranks: world rank(s) [1] do "
+                        "not hold rank 0's (give every rank the same seed, config, steps, "
+                        "batch and seq)"] * 2
+    same = SimulatedGroup(2).run(lambda c: runner.check_same_start(c, *_start(config, 0)))
+    assert same == [None, None]
+    with pytest.raises(ValueError, match="the training batches differ across ranks: world "
+                                         r"rank\(s\) \[1\]"):
+        SimulatedGroup(2).run(lambda c: runner.check_same_start(c, *_start(config, 0,
+                                                                          c.rank)))
+
+
+def _start(config, seed, batch_seed=0):
+    from tfcore.models.decoder import DecoderLM
+    from tfcore.parallel.runner import make_batches
+
+    ids, targets = make_batches(config, 2, 4, 8, batch_seed)
+    return DecoderLM(config).init(seed).params, ids, targets

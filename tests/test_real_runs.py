@@ -5,6 +5,7 @@ options are refused before any work."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -195,12 +196,19 @@ def test_training_with_overlapped_buckets_equals_one_device(config, large, tp, d
     assert len(runs[True]["exposed"]) == STEPS
 
 
-def test_a_blocking_call_during_a_request_is_refused():
+@pytest.mark.parametrize("finished_first", [False, True])
+def test_a_blocking_call_during_a_request_is_refused(finished_first):
+    """In flight means started and not yet waited on, whether or not the progress thread
+    has finished the collective: the refusal does not depend on timing (with
+    finished_first, the blocking call comes after the collective is certainly done)."""
     def body(comm):
         request = comm.iall_reduce(np.ones(3))
+        while finished_first and not request.test():
+            time.sleep(1e-3)
         with pytest.raises(RuntimeError, match="in flight"):
             comm.all_reduce(np.ones(3))
         out = request.wait()
+        np.testing.assert_array_equal(comm.all_reduce(np.ones(3)), [2.0, 2.0, 2.0])
         with pytest.raises(RuntimeError, match="waited on already"):
             request.wait()
         return out

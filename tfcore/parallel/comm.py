@@ -33,14 +33,15 @@ Counting. Every message is counted where it moves: the sender adds its bytes to 
 collective call leaves a `CallRecord` with the bytes this rank sent and received during it.
 Counts are per rank; a total is the sum over ranks (``total_traffic``).
 
-Agreement (``check_calls``, on by default under MPI). A rank that calls a collective the
+Agreement (``check_calls``, on by default in both transports). A rank that calls a collective the
 others do not call, or with another shape, dtype or root, would leave them waiting for
 messages that never come. So before each collective every rank of the group gathers the
 others' call header, (collective, shape, dtype, detail) in HEADER_SIZE int64 values, with
 one small MPI_Allgather, and on any difference every rank raises the same ValueError, which
 names what each side called. The headers are bookkeeping, not the algorithm's traffic: they
-are not counted. The simulation checks the same way when asked (``check_calls=True``); its
-messages already carry their shapes, and a wait that never ends there times out.
+are not counted. The simulation checks the same way (``check_calls=False`` turns it off,
+as ``--no-call-check`` does under MPI); its messages also carry their shapes, and a wait
+that never ends there times out.
 
 Non-blocking collectives (``iall_reduce``). The call copies its input and returns a
 `Request` at once; the collective runs while the caller computes, and ``wait()`` returns
@@ -48,9 +49,11 @@ its result. With the ring or naive algorithm (simulated or MPI) the same code as
 blocking collective runs on a progress thread of the communicator, one request after the
 other in the order they were started (as a CUDA stream runs NCCL calls), so its result
 equals the blocking call's bit for bit; under MPI with ``"native"`` it is MPI_Iallreduce.
-While requests are in flight the caller must not start a blocking collective on the same
-communicator (RuntimeError): every rank starts the same requests in the same order, and
-only the progress thread talks on that communicator until they are waited on. Each rank's
+While requests are in flight, from the call that starts them to the wait() that returns
+them, the caller must not start a blocking collective on the same communicator
+(RuntimeError, whether or not the collective has already finished on the progress thread:
+the refusal does not depend on timing): every rank starts the same requests in the same
+order, and only the progress thread talks on that communicator until they are waited on. Each rank's
 ``Traffic.events`` records, in the order its own thread saw them, ``("launch", label)``,
 ``("compute", label)`` (what the caller reports with ``record_compute``) and
 ``("wait", label)``/``("done", label)``: which computation ran while which collective was
@@ -488,7 +491,7 @@ class Communicator:
         if progress is not None and progress.busy() and not progress.is_current():
             raise RuntimeError(
                 f"{self!r}: {call} while non-blocking collectives are in flight on this "
-                "communicator; wait() for them first")
+                "communicator (started and not yet waited on); wait() for them first")
         if not self.check_calls or self.size == 1:
             return
         mine = _call_header(call, tuple(shape), dtype, detail)            # int64 [HEADER_SIZE]
@@ -567,6 +570,9 @@ class Request:
                 if limit is not None and time.perf_counter() - self.wait_start > limit:
                     raise TimeoutError(f"{self.comm!r} waited {limit:g} s for {self.label!r}")
         self.waited = time.perf_counter() - self.wait_start
+        progress = getattr(self.comm, "_progress", None)
+        if self._mpi is None and progress is not None:
+            progress.release()                # no longer in flight for the caller
         self.comm.traffic.events.append(("done", self.label))
         if self._error is not None:
             raise self._error
@@ -575,7 +581,9 @@ class Request:
 
 class _Progress:
     """The progress thread of one communicator: runs submitted collectives one after the
-    other, in submission order; it ends when the queue is empty (a new one starts later)."""
+    other, in submission order; it ends when the queue is empty (a new one starts later).
+    busy() from submit() until the request's wait() returns, not until the collective
+    finishes: whether a blocking call is refused must not depend on how fast it ran."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -609,9 +617,12 @@ class _Progress:
                 result, error = work(), None
             except BaseException as err:      # noqa: BLE001 - raised by wait()
                 result, error = None, err
-            with self._lock:
-                self._pending -= 1
             request._finish(result, error)
+
+    def release(self):
+        """A request was waited on: one fewer in flight."""
+        with self._lock:
+            self._pending -= 1
 
 
 def _itemsize(x) -> int:
@@ -678,7 +689,8 @@ class _GroupState:
     def __init__(self, members):
         self.queues = {(a, b): queue.Queue() for a in members for b in members if a != b}
         self.barrier = threading.Barrier(len(members))
-        self.slots: dict = {}
+        self.slots: dict = {}                 # (exchange number, group rank) -> object
+        self.exchanges: dict = {}             # group rank -> exchanges it has made
 
 
 class _World:
@@ -706,7 +718,7 @@ class SimulatedComm(Communicator):
     """One rank's view of a simulated group (made by SimulatedGroup.run)."""
 
     def __init__(self, world: _World, rank, ranks, name, algorithm, traffic, key=None,
-                 check_calls: bool = False):
+                 check_calls: bool = True):
         super().__init__(rank, ranks, name, algorithm, traffic)
         if algorithm == "native":
             raise ValueError("the simulated group runs 'ring' or 'naive' (native is MPI's own)")
@@ -750,18 +762,22 @@ class SimulatedComm(Communicator):
         try:
             self._state.barrier.wait(timeout=self._world.timeout)
         except threading.BrokenBarrierError:
-            raise RuntimeError(f"{self!r}: barrier broken (another rank failed or timed out)")
+            if self._world.failed.is_set():
+                raise RuntimeError(f"{self!r}: barrier broken (another rank failed)") from None
+            raise RuntimeError(f"{self!r} waited {self._world.timeout} s for the other ranks "
+                               "at a barrier: the ranks did not call the same collectives "
+                               "(barrier broken)") from None
 
     def _exchange_objects(self, obj):
-        slots = self._state.slots
+        """One barrier: exchange n of the group goes to slots (n, rank). A rank reads
+        exchange n - 1 before it writes n, so once every rank has passed the barrier of n,
+        nobody reads n - 1 again and each rank drops its own slot of it."""
+        state = self._state
+        n = state.exchanges[self.rank] = state.exchanges.get(self.rank, 0) + 1
+        state.slots[(n, self.rank)] = obj
         self.barrier()
-        slots[self.rank] = obj
-        self.barrier()
-        out = [slots[i] for i in range(self.size)]
-        self.barrier()
-        if self.rank == 0:
-            slots.clear()
-        self.barrier()
+        out = [state.slots[(n, i)] for i in range(self.size)]
+        state.slots.pop((n - 1, self.rank), None)
         return out
 
     def _gather_headers(self, header):
@@ -780,10 +796,14 @@ class SimulatedGroup:
         group = SimulatedGroup(4, algorithm="ring")
         results = group.run(fn, *args)   # fn(comm, *args) on every rank; [result of rank r]
         group.traffic[r]                  # Traffic of rank r (sent, received, links, calls)
+
+    check_calls (default on, as under MPI): the ranks compare every collective's call header
+    first, so that a collective called with another shape, dtype, op or root on one rank
+    fails on every rank naming both calls (see Agreement above).
     """
 
     def __init__(self, size: int, algorithm: str = "ring", timeout: float = 60.0,
-                 check_calls: bool = False):
+                 check_calls: bool = True):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive integer, got {size!r}")
         if algorithm not in ALGORITHMS:

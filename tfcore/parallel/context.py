@@ -555,14 +555,16 @@ def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, 
     """Rank-local: the runner's batches (runner.make_batches), each sequence split over the
     ranks of `comm`; gradients summed over the group, then runner.train_single's AdamW.
     -> dict(losses, params (host [P]), grads (the summed gradient of the last step))."""
-    from .runner import HYPER, make_batches
+    from .runner import HYPER, check_same_start, make_batches
 
     hyper = dict(HYPER, **(hyper or {}))
     model = ContextParallelDecoder(config, comm, balanced)
     layout = model.layout(seq)
-    model.load_full(DecoderLM(config).init(seed).params)
-    opt = DataParallelAdamW(model.params, comm, **hyper)
+    full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
+    check_same_start(comm, full, ids, targets)
+    model.load_full(full)
+    opt = DataParallelAdamW(model.params, comm, **hyper)
     losses, grads = [], None
     for t in range(steps):
         model.params.zero_grad()

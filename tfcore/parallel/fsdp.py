@@ -511,7 +511,7 @@ def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int
     """runner.train_parallel for ZeRO-2/3: the same batches, rows split over dp, the same
     AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params, times,
     norms). clip: max_norm of clipping by the global norm (as train_single's)."""
-    from .runner import HYPER, _dropout, make_batches
+    from .runner import HYPER, _dropout, check_same_start, make_batches
 
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -522,9 +522,11 @@ def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int
     if batch % mesh.dp_size:
         raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
     model = ShardedDecoder(config, mesh.tp, mesh.dp, stage)
-    model.load_full(DecoderLM(config).init(seed).params)
-    opt = ShardedAdamW(model, clip=clip, **hyper)
+    full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
+    check_same_start(world, full, ids, targets)
+    model.load_full(full)
+    opt = ShardedAdamW(model, clip=clip, **hyper)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
     losses, step_calls, times, norms = [], [], [], []

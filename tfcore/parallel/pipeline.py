@@ -522,7 +522,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     clip: max_norm of clipping by the global norm (as train_single's), over the stages
     (every piece sharded over pp), tp inside them, the tied wte counted once."""
     from .grads import clip_grad_norm, parallel_pieces, tensor_parallel_mask
-    from .runner import HYPER, make_batches
+    from .runner import HYPER, check_same_start, make_batches
 
     hyper = dict(HYPER, **(hyper or {}))
     for name, value in (("steps", steps), ("batch", batch), ("seq", seq)):
@@ -537,7 +537,10 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     plan = make_schedule(schedule, pp, n_microbatches, n_virtual)
     world.check_same(f"{schedule} m={n_microbatches} v={n_virtual}", "the pipeline schedule")
     stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, n_virtual)
-    stage.load_full(DecoderLM(config).init(seed).params)
+    full = DecoderLM(config).init(seed).params
+    ids, targets = make_batches(config, steps, batch, seq, seed)
+    check_same_start(world, full, ids, targets)
+    stage.load_full(full)
     p, v, r = pp, n_virtual, mesh.pp_rank
     holds_last = any(c * p + r == p * v - 1 for c in range(v))
     # a tied head: the first and the last stage each hold wte; their gradients are summed
@@ -552,7 +555,6 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
             return clip_grad_norm(parallel_pieces(grad, tp_mask, mesh.tp, pp=mesh.pp,
                                                   counted=counted), max_norm)
     opt = DataParallelAdamW(stage.params, mesh.dp, clip=clip_fn, **hyper)
-    ids, targets = make_batches(config, steps, batch, seq, seed)
     rows = batch // mesh.dp_size
     b0 = mesh.dp_rank * rows
     micro = rows // n_microbatches

@@ -2,6 +2,7 @@
 initial parameters, the same AdamW, so the two can be compared number for number."""
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 
@@ -49,6 +50,31 @@ def make_batches(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
     return ids[:, :, :-1], targets
 
 
+def _digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(backend.to_numpy(a))
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_same_start(world, full_params, ids, targets) -> None:
+    """Before step 1, on every rank of `world` (one small all-gather): the full initial
+    parameters each rank built and the batches it drew must be every other rank's. Ranks
+    given another seed, config, --steps, --batch or --seq would otherwise train replicas
+    from different weights (the loss is all-reduced, so its report would not show it).
+    ValueError on every rank, naming the ranks that differ from rank 0."""
+    mine = (_digest(full_params.data), _digest(ids, targets))
+    every = world.all_gather_object(mine)
+    for i, what in enumerate(("the initial parameters", "the training batches")):
+        differ = [r for r, d in enumerate(every) if d[i] != every[0][i]]
+        if differ:
+            raise ValueError(f"{what} differ across ranks: world rank(s) {differ} do not "
+                             f"hold rank 0's (give every rank the same seed, config, steps, "
+                             f"batch and seq)")
+
+
 def _dropout(config, seed, step):
     """Training mode with a generator seeded per step (the same on every rank) when the
     config has dropout: a sharded run draws the whole tensors and keeps its blocks."""
@@ -57,10 +83,12 @@ def _dropout(config, seed, step):
     return dict(training=True, rng=backend.default_rng(10_000 * seed + step))
 
 
-def _check_real_run(config, batch, micro_batches, clip):
-    """Validate the accumulation and clipping options before any work: -> (K, max_norm)."""
+def _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=False):
+    """Validate the accumulation and clipping options before any work: -> (K, max_norm).
+    rows_of_the_batch: the model draws the dropout masks of the whole batch and keeps its
+    micro-batch's rows (the parallel model), so accumulation with dropout equals one device."""
     k = check_micro_batches(batch, micro_batches)
-    if k > 1 and config.dropout > 0:
+    if k > 1 and config.dropout > 0 and not rows_of_the_batch:
         raise ValueError("micro_batches > 1 needs dropout = 0: the large batch draws its "
                          "dropout masks at once, the micro-batches could not match them")
     return k, (None if clip is None else checks.positive("clip", clip))
@@ -116,11 +144,12 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     the optimizer; None with ZeRO), traffic, norms, exposed) on every rank.
 
     micro_batches K: each rank's rows run as K micro-batches (weights c_k / T_c, counts
-    summed over dp); clip: max_norm of clipping by the global norm over TP, DP and ZeRO-1;
+    summed over dp; with dropout each draws the whole batch's masks, seeded per step, and
+    keeps its own rows, so the masks are one device's on the whole batch); clip: max_norm of clipping by the global norm over TP, DP and ZeRO-1;
     bucket_bytes: all-reduce the gradient in buckets of at most that many bytes, started
     during the last micro-batch's backward (overlap=True) or after it (overlap=False).
     exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
-    K, max_norm = _check_real_run(config, batch, micro_batches, clip)
+    K, max_norm = _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=True)
     if bucket_bytes is not None and (zero or (sequence_parallel and tp > 1)):
         raise ValueError("bucket_bytes needs zero=False and sequence_parallel=False: the "
                          "buckets all-reduce a replicated gradient as the backward goes")
@@ -132,7 +161,10 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
         raise ValueError(f"micro_batches ({K}) must divide the rows of each data-parallel "
                          f"rank ({batch // mesh.dp_size})")
     model = TensorParallelDecoder(config, mesh.tp, mesh.dp, sequence_parallel)
-    model.load_full(DecoderLM(config).init(seed).params)
+    full = DecoderLM(config).init(seed).params
+    ids, targets = make_batches(config, steps, batch, seq, seed)
+    check_same_start(world, full, ids, targets)
+    model.load_full(full)
     clip_fn = None
     if max_norm is not None:
         tp_mask = tensor_parallel_mask(model)                              # bool [P_local]
@@ -142,7 +174,6 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
                                      mesh.dp if zero else None)
             return clip_grad_norm(pieces, max_norm)
     opt = DataParallelAdamW(model.params, mesh.dp, zero=zero, clip=clip_fn, **hyper)
-    ids, targets = make_batches(config, steps, batch, seq, seed)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
     losses, grads, step_calls, times, norms, exposed = [], None, [], [], [], []
@@ -156,8 +187,10 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
             model.params, mesh.dp, config.n_layers, bucket_bytes, blocking=not overlap)
         loss = 0.0
         for k, ((ids_k, targets_k), w) in enumerate(zip(pieces, weights)):
+            r0 = b0 + k * (rows // K)                # micro-batch k: global rows r0 ..
             _, loss_k = model.forward(backend.asarray(ids_k), backend.asarray(targets_k),
-                                      batch_rows=(b0, b1, batch), **_dropout(config, seed, t))
+                                      batch_rows=(r0, r0 + rows // K, batch),
+                                      **_dropout(config, seed, t))
             loss = float(loss_k) if K == 1 else loss + w * float(loss_k)
             hook = buckets.unit_done if buckets is not None and k == K - 1 else None
             model.backward(w, after_unit=hook)
