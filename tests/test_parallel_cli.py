@@ -123,6 +123,9 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
     (["--cp", "2", "--config", "tiny-llama"], "world 2 = cp 2"),
     (["--tp", "2", "--dp", "2", "--dropout", "0.1"],
      "world 4 = tp 2 x dp 2, sp=False, zero=0, dropout 0.1"),
+    (["--dp", "2", "--micro-batches", "2", "--dropout", "0.1"],
+     "world 2 = tp 1 x dp 2, sp=False, zero=0, dropout 0.1"),
+    (["--tp", "2", "--sp", "--micro-batches", "2"], "world 2 = tp 2 x dp 1, sp=True, zero=0"),
 ])
 def test_every_parallelism_passes_check(args, layout, capsys):
     assert cli.main(["--simulate", *args, "--steps", "2", "--check"]) == 0

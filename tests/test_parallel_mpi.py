@@ -167,6 +167,49 @@ def test_a_raising_rank_ends_the_job_with_its_message(tmp_path):
     assert "finished" not in done.stdout
 
 
+_FAILING_RANK = """
+import sys
+from mpi4py import MPI
+from tfcore.parallel import __main__ as cli
+from tfcore.parallel import runner
+
+if MPI.COMM_WORLD.Get_rank() == 2:
+    def failing(world, *args, **kwargs):
+        raise RuntimeError("planted failure in training")
+    runner.train_parallel = failing
+sys.exit(cli.main(sys.argv[1:]))
+"""
+ENDS_WITHIN = 30      # seconds: a healthy 4-rank run takes a few; the default --timeout 600
+
+
+def test_a_failing_rank_ends_the_real_command_within_seconds(tmp_path):
+    """The command line itself (main_mpi, the default --timeout of 600 s, nothing shorter)
+    with rank 2 raising as training starts, while ranks 0, 1 and 3 wait for it in their
+    first collective: MPI_Abort must end the whole job within seconds. (A plain raise on
+    rank 2 instead would leave the others waiting until the 600 s timeout.) The job runs in
+    its own session so that a hang is killed with all its processes."""
+    import signal
+    import time
+
+    script = tmp_path / "failing_rank.py"
+    script.write_text(_FAILING_RANK)
+    start = time.monotonic()
+    job = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, str(script), "--dp", "4",
+                            "--steps", "2", "--quiet-times"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=ENDS_WITHIN)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail(f"the job was still running {ENDS_WITHIN} s after one rank failed")
+    elapsed = time.monotonic() - start
+    assert job.returncode != 0
+    assert "rank 2: RuntimeError: planted failure in training" in err
+    assert "step 0" not in out
+    assert elapsed < ENDS_WITHIN
+
+
 def test_collectives_of_other_shapes_name_both(tmp_path):
     done = _planted(tmp_path, 4, "world.all_reduce(np.ones((2, 3 + (world.rank == 3))))")
     assert done.returncode != 0
@@ -184,14 +227,41 @@ def test_collectives_in_another_order_name_both(tmp_path):
     assert "called all_gather(shape (4,), float64, axis 0)" in done.stderr
 
 
-def test_ranks_that_disagree_on_the_sequence_length_fail_naming_both_shapes():
-    """Arguments valid on each rank but different (an MPMD launch): the first collective of
-    the forward, the embedding's all-reduce, names the two activation shapes."""
-    done = _mpiexec("-n", "1", *CLI, "--tp", "2", "--seq", "8", ":",
-                    "-n", "1", *CLI, "--tp", "2", "--seq", "4")
-    assert done.returncode == 1
-    assert "all_reduce(shape (4, 8, 16), float64, op sum)" in done.stderr
-    assert "all_reduce(shape (4, 4, 16), float64, op sum)" in done.stderr
+@pytest.mark.parametrize("common,ranks,named", [
+    (["--pp", "2", "--dp", "2"], [[], ["--seed", "1"], [], []],
+     "--seed 0 on ranks 0, 2, 3 and --seed 1 on rank 1"),
+    (["--dp", "2"], [["--steps", "2"], ["--steps", "3"]],
+     "--steps 2 on rank 0 and --steps 3 on rank 1"),
+    (["--cp", "2"], [["--seq", "8"], ["--seq", "4"]], "--seq 8 on rank 0 and --seq 4 on rank 1"),
+    (["--tp", "2"], [["--seq", "8"], ["--seq", "4"]], "--seq 8 on rank 0 and --seq 4 on rank 1"),
+])
+def test_ranks_started_with_different_valid_arguments_stop_before_any_work(common, ranks,
+                                                                           named):
+    """An MPMD launch whose ranks' arguments are each valid but differ: every rank compares
+    every argument first, and the job ends at once with status 2 and one line naming the
+    first argument that differs and the ranks of each value (not a run of replicas trained
+    from different weights, a wait until --timeout, or MPI's "Message truncated")."""
+    launch = []
+    for extra in ranks:
+        launch += [":", "-n", "1", *CLI, *common, *extra]
+    done = _mpiexec(*launch[1:])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (f"error: the ranks were started with different arguments: {named}; "
+                           "give every rank the same arguments\n")
+    assert done.stdout == ""
+
+
+def test_first_difference_names_the_first_differing_argument():
+    every = [cli.argument_values(cli.parse(argv)) for argv in
+             (["--dp", "2"], ["--dp", "2", "--seed", "0"], ["--dp", "2", "--steps", "4",
+                                                            "--seed", "5"])]
+    assert cli.first_difference(every[:2]) is None         # a default given explicitly
+    assert cli.first_difference(every) == (
+        "the ranks were started with different arguments: --steps 3 on ranks 0, 1 and "
+        "--steps 4 on rank 2; give every rank the same arguments")
+    options = [option for option, _ in every[0]]          # every option is compared
+    assert set(options) == {a.option_strings[0] for a in cli._parser()._actions
+                            if a.option_strings and a.dest != "help"}
 
 
 def test_ranks_in_collectives_of_different_groups_time_out(tmp_path):

@@ -17,7 +17,8 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
     --layers L, --dropout P     change the --config's number of blocks, its dropout
     --micro-batches K --bucket-bytes N
                                 (--tp/--dp/--sp/--zero 0 or 1) accumulate the gradient
-                                over K micro-batches, all-reduce it in buckets
+                                over K micro-batches (with --dropout each keeps its rows
+                                of the whole batch's masks), all-reduce it in buckets
                                 overlapped with the backward
     --clip C                    clip the gradient to the global norm C (every layout but
                                 --cp: TP, DP, ZeRO 1/2/3, the pipeline's stages)
@@ -38,8 +39,9 @@ losses or the parameters differ from it by more than --check-tol (relative); --s
 losses and the final parameters (.npz).
 
 A bad argument ends the run before any training with one line `error: ...` and status 2
-(under MPI every rank checks its arguments and the ranks agree before starting, so a rank
-with other arguments stops them all). A failure during training under MPI prints the
+(under MPI every rank checks its arguments, then the ranks compare every argument before
+starting: a rank with a bad argument, or with valid arguments other than rank 0's, stops
+them all, and the line names the first argument that differs and the ranks of each value). A failure during training under MPI prints the
 failing rank's message and aborts the whole job (status 1) instead of leaving the other
 ranks waiting; collectives called differently on different ranks fail with a message that
 names both calls (--no-call-check turns that check off), and a rank that waits longer than
@@ -229,6 +231,31 @@ def check_combination(args) -> None:
                          "parallelism runs with --zero 0 or 1")
 
 
+def argument_values(args) -> list[tuple[str, object]]:
+    """[(option, value)] of every option, in the order --help lists them (parsed values:
+    a default and the same value given explicitly are equal)."""
+    return [(action.option_strings[0], getattr(args, action.dest))
+            for action in _parser(quiet=True)._actions
+            if action.option_strings and action.dest != "help"]
+
+
+def first_difference(every) -> str | None:
+    """every: argument_values of each rank. None when all agree, else one sentence naming
+    the first option whose values differ and the ranks that hold each value."""
+    for i, (option, _) in enumerate(every[0]):
+        values = [args[i][1] for args in every]
+        if any(v != values[0] for v in values):
+            groups: dict = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(repr(value), []).append(rank)
+            held = " and ".join(f"{option} {value} on rank{'s' if len(ranks) > 1 else ''} "
+                                f"{', '.join(map(str, ranks))}"
+                                for value, ranks in groups.items())
+            return (f"the ranks were started with different arguments: {held}; give every "
+                    "rank the same arguments")
+    return None
+
+
 def config_of(args):
     """The model config of --config, with --layers and --dropout."""
     config = runner.CONFIGS[args.config]()
@@ -404,15 +431,17 @@ def main_mpi(argv) -> int:
     with abort_on_error():
         # Every rank checks its own arguments, then all learn every rank's verdict: a rank
         # whose arguments are bad must not leave the others waiting in the first collective.
-        args, problem, dp = None, None, None
+        args, problem, dp, values = None, None, None, None
         try:
             args = parse(argv, quiet=rank != 0)
             dp = check_layout(args, comm.Get_size())
+            values = argument_values(args)
         except UsageError as err:
             problem = str(err)
         except SystemExit as done:       # --help: every rank stops here
             problem = ("exit", done.code)
-        problems = comm.allgather(problem)
+        every = comm.allgather((problem, values))
+        problems = [p for p, _ in every]
         if any(p is not None for p in problems):
             first = next(r for r, p in enumerate(problems) if p is not None)
             if isinstance(problems[first], tuple):
@@ -420,6 +449,11 @@ def main_mpi(argv) -> int:
             if rank == 0:
                 where = "" if all(p == problems[first] for p in problems) else f"rank {first}: "
                 print(f"error: {where}{problems[first]}", file=sys.stderr)
+            return 2
+        differ = first_difference([v for _, v in every])
+        if differ is not None:           # valid on each rank, but not the same run
+            if rank == 0:
+                print(f"error: {differ}", file=sys.stderr)
             return 2
         world = MPIComm(algorithm=args.algorithm, check_calls=not args.no_call_check,
                         timeout=args.timeout)
