@@ -38,7 +38,8 @@ def _assert_refused_in_one_line(args, message, capsys, monkeypatch):
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
     (["--dp", "3", "--batch", "4"], "--batch 4 must be divisible by the data-parallel degree "
                                     "dp=3"),
-    (["--algorithm", "native"], "--algorithm native is MPI's own; simulate ring or naive"),
+    (["--algorithm", "native"], "--algorithm native is MPI's own, not with --simulate; "
+                                "simulate ring or naive"),
     (["--algorithm", "tree"], "argument --algorithm: invalid choice: 'tree'"),
     (["--tp", "1.5"], "argument --tp: invalid int value: '1.5'"),
     (["--config", "huge"], "argument --config: invalid choice: 'huge'"),

@@ -29,9 +29,15 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
         --layers 4 --check
     python -m tfcore.parallel --simulate --cp 4 --check
 
-Not supported, and refused before any work: --cp with --tp, --dp, --sp, --zero,
---dropout, --micro-batches, --clip or --bucket-bytes; --pp with --sp, --zero, --dropout
-or --bucket-bytes; --zero 2 or 3 with --sp or --micro-batches.
+Not supported, and refused before any work (one line `error: ...` naming both, status 2):
+    --cp with --pp, --tp, --dp, --sp, --zero, --dropout, --micro-batches, --clip,
+        --bucket-bytes
+    --pp with --sp, --zero, --dropout, --bucket-bytes
+    --zero 2 or 3 with --sp, --micro-batches
+    --bucket-bytes with --zero, --sp
+    --schedule, --virtual without --pp
+    --virtual 2 or more with --pp without --schedule interleaved
+    --algorithm native with --simulate
 
 The same rank-local code runs on MPI processes or, with --simulate, on threads of one
 process. Rank 0 prints; --check also trains on one device and exits with status 1 when the
@@ -169,7 +175,8 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
         raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
     check_combination(args)
     if args.simulate and args.algorithm == "native":
-        raise UsageError("--algorithm native is MPI's own; simulate ring or naive")
+        raise UsageError("--algorithm native is MPI's own, not with --simulate; simulate "
+                         "ring or naive")
     if args.save is not None:
         folder = os.path.dirname(os.path.abspath(args.save))
         if os.path.isdir(args.save):
