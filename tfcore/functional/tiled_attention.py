@@ -26,8 +26,8 @@ import numpy as np
 
 from .. import backend, checks, kernels
 from ..backend import matmul
-from .attention import (_causal_table, _check_causal_lengths, _check_every_query_keeps_a_key,
-                        _check_settings, _key_padding_table)
+from .attention import (_check_causal_lengths, _check_every_query_keeps_a_key, _check_settings,
+                        _float_table, _key_padding_table)
 from .softmax import _check_mask
 
 TILED = "tiled attention"   # the label of its products in backend.count_matmuls()
@@ -171,13 +171,24 @@ def _kernel_applies(q, k, v, settings) -> bool:
             and settings["seed"] is None and kernels.applies(q, k, v, contiguous=False))
 
 
+def causal_tile(xp, s_q: int, s_k: int, rows: tuple, cols: tuple, dtype):
+    """The causal table of one tile: [i1 - i0, j1 - j0] additive, -inf where query i of
+    rows = (i0, i1) does not see key j of cols = (j0, j1), i.e. j > i + (S_k - S_q); 0
+    elsewhere. Built from the tile's own index ranges (an outer comparison), so a tile costs
+    its own size: the slice [i0:i1, j0:j1] of the whole [S_q, S_k] table, never the table."""
+    (i0, i1), (j0, j1) = rows, cols
+    i = xp.reshape(xp.arange(i0, i1), (i1 - i0, 1))                 # [bq, 1]
+    j = xp.reshape(xp.arange(j0, j1), (1, j1 - j0))                 # [1, bk]
+    return _float_table(xp, j > i + (s_k - s_q), dtype)             # [bq, bk]
+
+
 def _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal):
     """One tile of the masked, scaled scores: z [B, H, i1 - i0, j1 - j0]."""
     s_q, s_k = full[2], full[3]
     z = matmul(q[:, :, i0:i1, :], xp.matrix_transpose(k[:, :, j0:j1, :]), TILED)
     z *= settings["scale"]
     if diagonal:
-        z += _causal_table(xp, s_q, s_k, z.dtype)[i0:i1, j0:j1]
+        z += causal_tile(xp, s_q, s_k, (i0, i1), (j0, j1), z.dtype)
     if settings["key_padding"] is not None:
         z += settings["key_padding"][:, :, :, j0:j1]
     if settings["mask"] is not None:
