@@ -56,9 +56,10 @@ def _rotate(vec, position, cfg):
     return out
 
 
-def _attention(xs, p, prefix, cfg):
+def _attention(xs, p, prefix, cfg, drop=None):
     """Causal multi-head self-attention of one sequence xs [S, D] -> [S, D]; with
-    n_kv_heads < n_heads, query head h reads key/value head h // (n_heads / n_kv_heads)."""
+    n_kv_heads < n_heads, query head h reads key/value head h // (n_heads / n_kv_heads).
+    drop [H, S, S]: dropout's factors (0 or 1 / (1 - p)) on the probabilities, or None."""
     S, D, H, H_kv = len(xs), cfg.d_model, cfg.n_heads, cfg.n_kv_heads
     d_h, group = D // H, H // H_kv
     W_kv = H_kv * d_h
@@ -80,7 +81,8 @@ def _attention(xs, p, prefix, cfg):
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
             for j in range(i + 1):
-                merged[i, cols] += weights[j] / total * v[j]
+                factor = 1.0 if drop is None else drop[h, i, j]
+                merged[i, cols] += weights[j] / total * factor * v[j]
     return [_linear(row, p, prefix + ".proj") for row in merged]
 
 
@@ -113,10 +115,18 @@ def _sinusoidal(position, width):
     return row
 
 
-def reference_forward(cfg: DecoderConfig, p: dict, ids, targets=None):
-    """logits [B, S, V] (and the mean cross-entropy over targets that are not -100)."""
+def reference_forward(cfg: DecoderConfig, p: dict, ids, targets=None, drops=None):
+    """logits [B, S, V] (and the mean cross-entropy over targets that are not -100).
+
+    drops: dropout's factors (0 or 1 / (1 - p)) for a training forward, or None:
+    drops["embedding"] [B, S, D] and, for block i, drops["probabilities", i] [B, H, S, S],
+    drops["attention output", i] [B, S, D], drops["mlp output", i] [B, S, D]."""
     B, S = ids.shape
     logits = np.zeros((B, S, cfg.vocab_size))
+
+    def dropped(rows, key, b):                  # rows [S] of [D] times their factors
+        return rows if drops is None else [r * f for r, f in zip(rows, drops[key][b])]
+
     for b in range(B):
         xs = []
         for t in range(S):
@@ -126,19 +136,22 @@ def reference_forward(cfg: DecoderConfig, p: dict, ids, targets=None):
             elif cfg.position == "sinusoidal":
                 x = x + _sinusoidal(t, cfg.d_model)
             xs.append(x)
+        xs = dropped(xs, "embedding", b)
         for i in range(cfg.n_layers):
             pre = f"h{i}"
+            drop = None if drops is None else drops["probabilities", i][b]
             if cfg.norm_placement == "pre":
                 a = _attention([_norm(x, p, pre + ".ln1", cfg) for x in xs], p, pre + ".attn",
-                               cfg)
-                xs = [x + a_t for x, a_t in zip(xs, a)]
-                xs = [x + _mlp(_norm(x, p, pre + ".ln2", cfg), p, pre + ".mlp", cfg)
-                      for x in xs]
+                               cfg, drop)
+                xs = [x + a_t for x, a_t in zip(xs, dropped(a, ("attention output", i), b))]
+                m = [_mlp(_norm(x, p, pre + ".ln2", cfg), p, pre + ".mlp", cfg) for x in xs]
+                xs = [x + m_t for x, m_t in zip(xs, dropped(m, ("mlp output", i), b))]
             else:
-                a = _attention(xs, p, pre + ".attn", cfg)
+                a = dropped(_attention(xs, p, pre + ".attn", cfg, drop), ("attention output", i),
+                            b)
                 xs = [_norm(x + a_t, p, pre + ".ln1", cfg) for x, a_t in zip(xs, a)]
-                xs = [_norm(x + _mlp(x, p, pre + ".mlp", cfg), p, pre + ".ln2", cfg)
-                      for x in xs]
+                m = dropped([_mlp(x, p, pre + ".mlp", cfg) for x in xs], ("mlp output", i), b)
+                xs = [_norm(x + m_t, p, pre + ".ln2", cfg) for x, m_t in zip(xs, m)]
         for t, x in enumerate(xs):
             if cfg.norm_placement == "pre":
                 x = _norm(x, p, "lnf", cfg)
@@ -209,6 +222,56 @@ def test_logits_and_loss_equal_the_reference(name):
     ref_logits, ref_loss = reference_forward(cfg, _host_params(model), ids, targets)
     assert _relative(to_numpy(logits), ref_logits) < TOL
     assert abs(float(loss) - ref_loss) < TOL * abs(ref_loss)
+
+
+# DecoderLM's docstring makes the order of dropout's draws a contract: the embedding's mask,
+# then per block the attention probabilities', the attention output's and the MLP output's.
+DOCUMENTED_ORDER = ("probabilities", "attention output", "mlp output")
+
+
+def draw_drops(cfg, seed, B, S, order=DOCUMENTED_ORDER):
+    """Dropout's factors drawn from numpy.random.default_rng(seed) as `rng.random(shape) >= p`
+    (what dropout_forward draws), the embedding's first, then per block in `order`; returns
+    (drops, the generator after the draws)."""
+    rng = np.random.default_rng(seed)
+    shapes = {"probabilities": (B, cfg.n_heads, S, S), "attention output": (B, S, cfg.d_model),
+              "mlp output": (B, S, cfg.d_model)}
+
+    def factors(shape):
+        return (rng.random(shape) >= cfg.dropout) / (1.0 - cfg.dropout)
+
+    drops = {"embedding": factors((B, S, cfg.d_model))}
+    for i in range(cfg.n_layers):
+        for kind in order:
+            drops[kind, i] = factors(shapes[kind])
+    return drops, rng
+
+
+@pytest.mark.parametrize("name", ["pre-layernorm", "post-rmsnorm-rotary", "grouped-query"])
+def test_dropout_draw_order_is_the_documented_one(name):
+    """A training forward equals the reference fed masks drawn in the documented order from a
+    generator of the same seed, and leaves its generator where that replay leaves its own
+    (nothing else is drawn); masks drawn in another order give other logits."""
+    cfg = {"pre-layernorm": DecoderConfig(**SMALL, dropout=0.3),
+           "post-rmsnorm-rotary": DecoderConfig(**SMALL, dropout=0.3, norm="rmsnorm",
+                                                norm_placement="post", position="rotary"),
+           "grouped-query": DecoderConfig.llama(13, 9, 16, 2, 4, d_ff=24, n_kv_heads=2,
+                                                dropout=0.3)}[name]
+    model = _model(cfg)
+    ids, targets = _data(cfg)
+    rng = default_rng(11)
+    logits, loss = model.forward(asarray(ids, "int64"), asarray(targets, "int64"),
+                                 training=True, rng=rng)
+    drops, replay = draw_drops(cfg, 11, *ids.shape)
+    ref_logits, ref_loss = reference_forward(cfg, _host_params(model), ids, targets, drops)
+    assert _relative(to_numpy(logits), ref_logits) < TOL
+    assert abs(float(loss) - ref_loss) < TOL * abs(ref_loss)
+    assert rng.bit_generator.state == replay.bit_generator.state
+    for other in (("probabilities", "mlp output", "attention output"),
+                  ("attention output", "probabilities", "mlp output")):
+        wrong, _ = draw_drops(cfg, 11, *ids.shape, order=other)
+        assert _relative(reference_forward(cfg, _host_params(model), ids, None, wrong)[0],
+                         ref_logits) > 1e-3
 
 
 def test_cached_generation_uses_the_same_settings():

@@ -12,12 +12,19 @@ measures what the skip does for the gradient, not a model anyone trains. Forward
 in the reverse order, add parameter gradients into the gradient views and return dx.
 
 Shape letters: B batch, S sequence (S_k keys, more than S with a KV cache), D width, H heads,
-D_h = D / H, F the MLP width.
+D_h = D / H, H_kv key/value heads (grouped-query attention, chapter 16; H_kv = H without it),
+F the MLP width.
 
-Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b`` ``attn.qkv.W`` [D, 3D]
-``attn.qkv.b`` [3D] ``attn.proj.W`` [D, D] ``attn.proj.b`` [D] ``ln2.g`` ``ln2.b``
+Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b``
+``attn.qkv.W`` [D, D + 2 H_kv D_h] ``attn.qkv.b`` [D + 2 H_kv D_h] (q, then k, then v: [D, 3D]
+and [3D] when H_kv = H) ``attn.proj.W`` [D, D] ``attn.proj.b`` [D] ``ln2.g`` ``ln2.b``
 ``mlp.fc.W`` [D, F] ``mlp.fc.b`` [F] (SwiGLU: also ``mlp.gate.W`` [D, F] ``mlp.gate.b`` [F])
 ``mlp.proj.W`` [F, D] ``mlp.proj.b`` [D]; ``.b`` only with biases, ``ln*.b`` only for LayerNorm.
+
+Dropout (training, p > 0) draws from the one generator `rng` in the order the block runs:
+the attention probabilities (one uniform [B, H, S, S_k] draw; the tiled op draws one seed
+instead), the attention sublayer's output [B, S, D], then the MLP's output [B, S, D]; the
+decoder's docstring states the whole model's order.
 """
 from __future__ import annotations
 
@@ -197,7 +204,7 @@ def core_attention_forward(q, k, v, spec, rng=None, training=False):
 
 def _tiled_kernel_forward(qkv, spec):
     """qkv [B, S, 3D] -> (a [B, H, S, D_h], cache): tiled_attention_forward's kernel call,
-    without dropout, masks or rotary. q, k and v are [B, H, S, D_h] views of qkv, which the
+    without dropout, masks, rotary or grouped heads (H_kv = H, so the width is 3D). q, k and v are [B, H, S, D_h] views of qkv, which the
     kernel reads with their row stride (3D) in the forward and again in the backward: no
     copy, and each thread's share of the batch is the rows it made in the projection."""
     batch, seq, width3 = qkv.shape
@@ -231,10 +238,11 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
     """x [B, S, D] -> out [B, S, D].
 
     rope: (cos, sin) tables [S, D_h/2] for the positions of x, or None.
-    kv: (k_cache, v_cache) each [B, H, S_max, D_h] to write this call's keys and values into at
-    positions pos..pos+S-1 and attend over positions 0..pos+S-1 (generation); None otherwise.
+    kv: (k_cache, v_cache) each [B, H_kv, S_max, D_h] to write this call's keys and values
+    into at positions pos..pos+S-1 and attend over positions 0..pos+S-1 (generation); None
+    otherwise.
     """
-    qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, 3D]
+    qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, D + 2 H_kv D_h]
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
     if (spec.attention == "tiled" and groups == 1 and rope is None and kv is None
             and not spec.recompute_attention and (spec.dropout == 0.0 or training is False)
@@ -252,13 +260,13 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
     c_rope_q = c_rope_k = None
     if rope is not None:
         q, c_rope_q = rope_forward(q, *rope)                            # [B, H, S, D_h]
-        k, c_rope_k = rope_forward(k, *rope)                            # [B, H, S, D_h]
+        k, c_rope_k = rope_forward(k, *rope)                            # [B, H_kv, S, D_h]
     if kv is not None:
-        k_cache, v_cache = kv                                           # [B, H, S_max, D_h]
+        k_cache, v_cache = kv                                           # [B, H_kv, S_max, D_h]
         end = pos + x.shape[1]
         k_cache[:, :, pos:end, :] = k
         v_cache[:, :, pos:end, :] = v
-        k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H, S_k, D_h]
+        k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H_kv, S_k, D_h]
     k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)       # [B, H, S_k, D_h]
     replay = replayable(rng) if spec.recompute_attention else None
     a, c_att = core_attention_forward(q, k, v, spec, rng, training)     # [B, H, S, D_h]
@@ -277,7 +285,8 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
 
 
 def attention_sublayer_backward(params, prefix, dout, cache, spec):
-    """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv, d b_qkv, d W_proj, d b_proj."""
+    """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv [D, D + 2 H_kv D_h], d b_qkv, d W_proj,
+    d b_proj."""
     c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
     del cache                       # as in the MLP: each part is freed when last used
     dout = _dropout_backward(dout, c_drop)                             # [B, S, D]
@@ -303,7 +312,7 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
     if c_rope_q is not None:
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)
-    if groups == 1:
+    if groups == 1:                                                     # H_kv = H
         dqkv = None
         if kernels.applies(dq, dk, dv, contiguous=False):   # the tiled kernel's three views
             dqkv = kernels.fused_qkv_grads(dq, dk, dv)      # of one buffer: no copy, no check

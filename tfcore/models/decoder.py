@@ -234,6 +234,25 @@ class DecoderLM:
     the generator) instead of its caches, and the backward runs the block's forward again;
     with "selective" each attention rebuilds its probabilities. The gradients are the same,
     bit for bit (chapter 17).
+
+    Dropout's draws, a contract that recomputation, the parallel decoders and any replay of
+    a training step rely on: with training=True and dropout p > 0, each mask is
+    ``rng.random(shape) >= p`` drawn from the one generator `rng`, in this order,
+
+    1. the embedding's output (tokens plus positions) [B, S, D];
+    2. then for each block h0, h1, ... in turn, pre-norm and post-norm alike:
+       a. attention's probabilities [B, H, S, S] (with attention="tiled": one draw of shape
+          (1,) that seeds the tiles' masks instead),
+       b. the attention sublayer's output [B, S, D] (after its projection),
+       c. the MLP sublayer's output [B, S, D];
+
+    and nothing else (the final norm, the head and the loss draw nothing; evaluation or
+    p = 0 draws nothing at all). recompute="full" / "selective" replay the block's or the
+    attention's draws from a copy of the generator, so `rng` ends where it would without
+    recomputation. Checked by
+    tests/test_models_reference.py::test_dropout_draw_order_is_the_documented_one, which
+    feeds masks drawn in this order to an independent forward and compares the logits and
+    the generator's final state.
     """
 
     def __init__(self, config: DecoderConfig):

@@ -9,7 +9,7 @@ For a batch [B, S] (N = B S rows) each table gives
     activation_bytes    every array the forward's caches keep alive for backward (training,
                         with targets), counted once per buffer: a view (the heads of q, k, v
                         inside the fused qkv output) costs nothing extra
-    kv_cache_bytes      (decoder) the generation cache: k and v [B, H, S_max, D_h] per layer
+    kv_cache_bytes      (decoder) the generation cache: k and v [B, H_kv, S_max, D_h] per layer
 
 `held_bytes` measures the last one from the caches themselves; the tests compare the two for
 every variant. The activation formula follows what each op pair keeps (its docstring says):
