@@ -325,6 +325,52 @@ def test_mixed_precision_step_refuses_bad_settings(rng):
                                 mp.LossScaler())
 
 
+def test_the_loss_scale_stops_at_its_floor():
+    """Halving at every skipped step used to reach 0 after about 1075 steps, and unscale_
+    then divided by zero; the scale now stops at min_scale (2^-24 by default)."""
+    scaler = mp.LossScaler()
+    assert scaler.min_scale == 2.0 ** -24
+    for _ in range(1200):
+        scaler.update(found_inf=True)
+    assert scaler.scale == 2.0 ** -24 and scaler.skipped == 1200
+    grad = np.full(4, 3.0, dtype=np.float32)
+    assert scaler.unscale_(grad) and np.array_equal(grad, np.full(4, 3.0 * 2.0 ** 24))
+    custom = mp.LossScaler(init_scale=4.0, min_scale=1.0)
+    for _ in range(5):
+        custom.update(found_inf=True)
+    assert custom.scale == 1.0
+    custom.update(found_inf=False)
+    assert custom.scale == 1.0 and custom.growth_tracker == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_scale=0.0), "min_scale must be > 0"),
+    (dict(min_scale=math.nan), "min_scale must be a finite number"),
+    (dict(init_scale=1.0, min_scale=2.0), "init_scale must be > 0 .* at least min_scale"),
+])
+def test_the_loss_scale_floor_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mp.LossScaler(**kwargs)
+
+
+@pytest.mark.parametrize("clip, error, message", [
+    (-1.0, ValueError, "grad_clip must be >= 0, got -1.0"),
+    (math.nan, ValueError, "grad_clip must be >= 0, got nan"),
+    (math.inf, ValueError, "grad_clip must be finite, got inf"),
+    ("1", TypeError, "grad_clip must be a real number, got str '1'"),
+])
+def test_mixed_precision_step_checks_grad_clip_before_any_work(clip, error, message):
+    model = small_decoder()
+    opt = optim.AdamW(model.params, lr=1e-2)
+    ids, targets = batch(np.random.default_rng(0))
+    model.params.grad[:] = 7.0                   # zero_grad (the first work) would clear it
+    before = np.array(model.params.data, copy=True)
+    with pytest.raises(error, match=message):
+        mp.mixed_precision_step(model, opt, ids, targets, "bfloat16", grad_clip=clip)
+    assert np.all(model.params.grad == 7.0) and np.array_equal(model.params.data, before)
+    assert opt.t == 0
+
+
 def test_composed_bound_and_the_counting_helpers_refuse_mismatched_shapes():
     assert mp.composed_bound([16, 256]) == pytest.approx(
         mp.matmul_error_constant(16) + mp.matmul_error_constant(256), rel=1e-15)

@@ -162,6 +162,17 @@ def positive(name: str, value) -> float:
     return value
 
 
+def nonnegative(name: str, value) -> float:
+    """A finite number >= 0 (a clipping norm or a temperature, where 0 turns a thing off):
+    inf and nan are rejected too."""
+    value = real(name, value)
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
 def probability(name: str, value) -> float:
     """A number in [0, 1) (a dropout probability)."""
     value = real(name, value)

@@ -260,14 +260,21 @@ class LossScaler:
     steps, skipped   updates attempted, and skipped for an inf or nan gradient
 
     The state machine, one step: unscale the float32 gradients (g /= scale); if any entry is
-    inf or nan the update is skipped and scale *= backoff_factor, growth_tracker = 0;
-    otherwise the optimizer steps and growth_tracker += 1, and when it reaches
-    growth_interval, scale *= growth_factor and growth_tracker = 0.
+    inf or nan the update is skipped and scale = max(scale * backoff_factor, min_scale),
+    growth_tracker = 0; otherwise the optimizer steps and growth_tracker += 1, and when it
+    reaches growth_interval, scale *= growth_factor and growth_tracker = 0.
+
+    The floor: the scale never falls below ``min_scale`` (2^-24 by default, float16's
+    smallest subnormal: at a smaller scale a unit gradient already flushes to zero in
+    float16, so scaling further down cannot help). Without it a run whose gradients stay
+    non-finite (a nan parameter) would halve the scale about 1075 times, down to 0, and
+    unscale_ would then divide by zero. At the floor such steps are still skipped and
+    counted in ``skipped``; the scale stays at min_scale.
     """
 
     def __init__(self, dtype: str = "float16", init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):
+                 growth_interval: int = 2000, min_scale: float = 2.0 ** -24):
         if dtype == "bfloat16" or (isinstance(dtype, (type, np.dtype))
                                    and np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)):
             raise ValueError(
@@ -276,13 +283,16 @@ class LossScaler:
                 "autocast('bfloat16') without a LossScaler")
         _format_name("dtype", dtype, ("float16",))
         for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor),
-                            ("backoff_factor", backoff_factor)):
+                            ("backoff_factor", backoff_factor), ("min_scale", min_scale)):
             if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating,
                                                                    np.integer))
                     or not math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not init_scale > 0:
-            raise ValueError(f"init_scale must be > 0 (2**16 by default), got {init_scale!r}")
+        if not min_scale > 0:
+            raise ValueError(f"min_scale must be > 0 (2**-24 by default), got {min_scale!r}")
+        if not init_scale >= min_scale:
+            raise ValueError(f"init_scale must be > 0 (2**16 by default) and at least "
+                             f"min_scale = {min_scale!r}, got {init_scale!r}")
         if not growth_factor > 1:
             raise ValueError(f"growth_factor must be > 1 (2.0 by default), got {growth_factor!r}")
         if not 0 < backoff_factor < 1:
@@ -295,6 +305,7 @@ class LossScaler:
                              f"got {growth_interval!r}")
         self.dtype = "float16"
         self.scale = float(init_scale)
+        self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -313,7 +324,7 @@ class LossScaler:
         self.steps += 1
         if found_inf:
             self.skipped += 1
-            self.scale *= self.backoff_factor
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)   # the floor
             self.growth_tracker = 0
             return
         self.growth_tracker += 1
@@ -342,11 +353,16 @@ def mixed_precision_step(model, optimizer, ids, targets, dtype: str = "bfloat16"
     ids, targets [B, S]. The gradient of (scale * loss) runs backward under autocast into
     the float32 params.grad; the scaler (float16) unscales it and skips a non-finite step;
     the optimizer (tfcore.optim, float32 state) updates the float32 master weights.
+    grad_clip: the max_norm of global-norm clipping of the unscaled gradient, a finite
+    number >= 0 (0: no clipping), checked before anything runs.
     Returns {"loss": float, "stepped": bool, "scale": float (1.0 without a scaler)}.
     """
     from .functional import cross_entropy_backward, cross_entropy_forward
     from .models.decoder import IGNORE_INDEX
 
+    grad_clip = checks.nonnegative("grad_clip", grad_clip)
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise TypeError(f"scaler must be a LossScaler or None, got {type(scaler).__name__}")
     dtype = _format_name("dtype", dtype, LOW_PRECISION)
     if model.config.dtype != "float32":
         raise ValueError(f"model: mixed precision keeps float32 master weights, got a "
