@@ -19,7 +19,7 @@ from importlib import resources
 
 import numpy as np
 
-from . import backend
+from . import backend, checks
 
 IGNORE_INDEX = -100
 CORPORA = {"shakespeare": "shakespeare.txt"}
@@ -58,17 +58,29 @@ def read_text_file(path) -> str:
 
 
 class CharTokenizer:
-    """One id per distinct character, in sorted order: id i is chars[i]."""
+    """One id per distinct character, in sorted order: id i is chars[i].
+
+    Any Python character is a token, lone surrogates included: text read with
+    ``errors="surrogateescape"`` (each byte that is not UTF-8 becomes one of U+DC80..U+DCFF)
+    round-trips, ``decode(encode(text)) == text``, so writing it back with the same error
+    handler restores the bytes.
+    """
 
     def __init__(self, chars: str):
+        if not isinstance(chars, str):
+            raise TypeError(f"chars must be a string, got {type(chars).__name__}")
         if len(set(chars)) != len(chars) or not chars:
-            raise ValueError("chars must be a non-empty string of distinct characters")
+            repeated = sorted({c for c in chars if chars.count(c) > 1})
+            detail = f" ({''.join(repeated)!r} repeated)" if repeated else " (it is empty)"
+            raise ValueError(f"chars must be a non-empty string of distinct characters{detail}")
         self.chars = "".join(sorted(chars))
         self._ids = {c: i for i, c in enumerate(self.chars)}
         self._table = np.array([ord(c) for c in self.chars], dtype=np.uint32)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, got {type(text).__name__}")
         return cls("".join(sorted(set(text))))
 
     @property
@@ -77,6 +89,8 @@ class CharTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         """text -> ids [len(text)] int64 (host); names the first character it does not know."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, got {type(text).__name__}")
         try:
             return np.fromiter((self._ids[c] for c in text), dtype=np.int64, count=len(text))
         except KeyError as err:
@@ -84,12 +98,17 @@ class CharTokenizer:
                              f"of {self.vocab_size} characters") from None
 
     def decode(self, ids) -> str:
-        """ids [n] (any backend, or a list) -> text."""
+        """ids [n] (any backend, or a list) of integers -> text; a float id is a TypeError
+        (it would be truncated into another character), an id outside [0, vocab_size) a
+        ValueError naming it."""
         host = np.asarray(backend.to_numpy(ids)).reshape(-1)
-        if host.size and (host.min() < 0 or host.max() >= self.vocab_size):
-            raise ValueError(f"ids must lie in [0, {self.vocab_size}), found "
-                             f"{int(host.min()) if host.min() < 0 else int(host.max())}")
-        return self._table[host].tobytes().decode("utf-32-le") if host.size else ""
+        if not host.size:
+            return ""
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"ids must be integers, got {host.dtype} (e.g. {host[0].item()!r})")
+        checks.integer_ids("ids", host, self.vocab_size)
+        # surrogatepass: a lone surrogate (text read with surrogateescape) decodes as itself
+        return self._table[host].tobytes().decode("utf-32-le", "surrogatepass")
 
 
 def train_val_split(ids: np.ndarray, val_fraction: float = 0.1):
@@ -132,6 +151,8 @@ class TextBatches(_Seeded):
     """
 
     def __init__(self, ids: np.ndarray, batch_size: int, seq_len: int, seed: int = 0):
+        batch_size = checks.integer("batch_size", batch_size, least=1)
+        seq_len = checks.integer("seq_len", seq_len, least=1)
         super().__init__(seed)
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":   # floats would be truncated into other tokens
@@ -165,6 +186,8 @@ class DigitTask(_Seeded):
 
     def __init__(self, n_digits: int = 6, kind: str = "reverse", batch_size: int = 64,
                  seed: int = 0):
+        batch_size = checks.integer("batch_size", batch_size, least=1)
+        n_digits = checks.integer("n_digits", n_digits)
         super().__init__(seed)
         if kind not in ("reverse", "sort"):
             raise ValueError(f"kind must be 'reverse' or 'sort', got {kind!r}")
@@ -210,6 +233,7 @@ class DigitTask(_Seeded):
 
     def heldout(self, count: int = 500, seed: int = 12345):
         """count held-out sequences x, y [count, 2n] (the same for the same seed)."""
+        count = checks.integer("count", count, least=1)
         return self._sequences(self._draw(np.random.default_rng(seed), count, heldout=True))
 
     def format(self, ids) -> str:
@@ -238,11 +262,20 @@ class GaussianSequences:
     model, whose output is a LayerNorm's, can reproduce them exactly; raw N(0, 1) rows have
     a per-row mean and spread that no LayerNorm output matches, which leaves an error floor.
     next() returns the whole set (one full-batch step is one epoch) as (x, x);
-    heldout() a fresh set from another seed.
+    heldout() a fresh set from another seed. A width of 1 cannot be standardized (a row of
+    one feature has no spread: 0 / 0) and is refused with standardize=True.
     """
 
     def __init__(self, count: int, seq_len: int, width: int, standardize: bool = True,
                  seed: int = 0, dtype: str = "float64"):
+        count = checks.integer("count", count, least=1)
+        seq_len = checks.integer("seq_len", seq_len, least=1)
+        width = checks.integer("width", width, least=1)
+        standardize = checks.boolean("standardize", standardize)
+        if standardize and width < 2:
+            raise ValueError(f"width must be at least 2 with standardize=True (a row of one "
+                             f"feature has no spread to scale to variance 1: 0 / 0), got "
+                             f"{width}; widen it or pass standardize=False")
         self.count, self.seq_len, self.width = int(count), int(seq_len), int(width)
         self.standardize, self.dtype, self.seed = bool(standardize), dtype, int(seed)
         self.x = self._make(np.random.default_rng(seed))

@@ -164,6 +164,12 @@ class TrainConfig:
                 raise ConfigError(name, f"must be an integer >= {low}, got {value}")
         if self.seed >= 2**63:
             raise ConfigError("seed", f"must be below 2**63, got {self.seed}")
+        if (family == "autoencoder" and isinstance(self.standardize, (bool, np.bool_))
+                and self.standardize and self.d_model < 2):
+            raise ConfigError("d_model", f"must be at least 2 for task 'autoencoder' with "
+                              f"standardize: a data row of {self.d_model} feature is constant "
+                              "and standardizes to 0 / 0 (widen it, or give "
+                              f"--no-standardize), got {self.d_model}")
         if self.n_digits is not None and (isinstance(self.n_digits, bool) or not isinstance(
                 self.n_digits, (int, np.integer)) or not 2 <= self.n_digits <= 18):
             raise ConfigError("n_digits", f"must be an integer in [2, 18], got {self.n_digits!r}")
