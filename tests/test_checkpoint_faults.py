@@ -209,3 +209,32 @@ def test_log_lines_past_the_checkpoint_are_dropped_on_resume(tmp_path):
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == [1, 2, 3, 4] and resumed.step == 4
     assert all(math.isfinite(r["grad_norm"]) for r in records if "loss" in r)
+
+
+# A checkpoint whose stored characters cannot be the tokenizer its model was trained with
+# (the same number of them, so only the tokenizer's own check can catch it).
+BAD_TOKENIZERS = {
+    "a duplicated character": lambda chars: chars[0] + chars[:-1],
+    "a list of characters": list,
+    "a number": lambda chars: 42,
+    "characters out of order": lambda chars: chars[::-1],
+    "an empty string": lambda chars: "",
+}
+
+
+@pytest.mark.parametrize("fault", sorted(BAD_TOKENIZERS))
+def test_sample_refuses_a_malformed_tokenizer(tmp_path, saved, capsys, fault):
+    """The library call raises CheckpointError (a ValueError) naming the tokenizer; the command
+    line prints one line naming --checkpoint, exit status 2, and nothing else."""
+    from tfcore import sample
+
+    path = forged(tmp_path, saved, lambda meta, arrays: meta.update(
+        tokenizer=BAD_TOKENIZERS[fault](meta["tokenizer"])))
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        sample.load_model(path)
+    with pytest.raises(ValueError, match="tokenizer"):
+        sample.sample(path, "t", 2)
+    status = sample.main(["--checkpoint", str(path), "--prompt", "t", "--tokens", "2"])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: argument --checkpoint: {path}: ") and "tokenizer" in err

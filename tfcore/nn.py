@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from . import backend, kernels
+from . import backend, checks, kernels
 from . import functional as F
 from .backend import FLOAT_DTYPES
 
@@ -177,6 +177,7 @@ def gpt2_init(params: Parameters, seed: int, n_layers: int, std: float = 0.02,
     residual branches keeps the variance of the stream of order one at initialisation.
     The draws are made on the host in buffer order, then copied once.
     """
+    std = checks.positive("std", std)
     rng = np.random.default_rng(seed)
     flat = np.zeros(params.size, dtype=np.float64)
     residual_std = std / math.sqrt(2 * max(n_layers, 1))
@@ -190,6 +191,10 @@ def gpt2_init(params: Parameters, seed: int, n_layers: int, std: float = 0.02,
         else:
             scale = residual_std if name.endswith(residual_suffixes) else std
             flat[start:stop] = scale * rng.standard_normal(stop - start)
+    limit = np.finfo(params.dtype).max
+    if not np.all(np.abs(flat) <= limit):        # a huge std overflows the dtype
+        raise ValueError(f"std (init_std) = {std} draws values beyond {params.dtype}'s "
+                         f"range (max {limit:.3g}): choose a smaller init_std")
     params.load_flat(flat)
 
 
@@ -246,8 +251,54 @@ def linear_backward(params: Parameters, name: str, dy, cache, overwrite_input: b
 NORMS = ("layernorm", "rmsnorm")
 
 
+def nonfinite_parameters(params) -> list[str]:
+    """The names of the tensors of `params` that hold nan or inf, in buffer order.
+
+    One isfinite over the flat buffer of a Parameters (a parameter source without one, such
+    as a gather-on-use shard, is looked at tensor by tensor). Meant for error paths: it
+    tells a non-finite parameter from a non-finite activation."""
+    if isinstance(params, Parameters):
+        xp = backend.namespace(params.data)
+        finite = xp.isfinite(params.data)                               # [P]
+        if bool(xp.all(finite)):
+            return []
+        bad = ~np.asarray(backend.to_numpy(finite))
+        return [n for n in params.names
+                if bad[params.offsets[n][0]:params.offsets[n][1]].any()]
+    found = []
+    for n, value in params._values.items():
+        xp = backend.namespace(value)
+        if not bool(xp.all(xp.isfinite(value))):
+            found.append(n)
+    return found
+
+
+def blame_parameters(params, where: str, err: Exception | None = None, kind=ValueError):
+    """Raise `kind` naming the non-finite parameters, if any, as the cause of a non-finite
+    `where` (an error path: the parameters are looked at only after something failed)."""
+    bad = nonfinite_parameters(params)
+    if bad:
+        listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        who = f"parameters {listed} hold" if len(bad) > 1 else f"parameter {listed} holds"
+        raise kind(f"{who} nan or inf, which makes {where} non-finite: re-initialise the "
+                   "model or load finite parameters") from err
+
+
 def norm_forward(params: Parameters, name: str, x, kind: str, eps: float):
-    """LayerNorm (gain name.g, shift name.b) or RMSNorm (gain name.g) over the last axis of x."""
+    """LayerNorm (gain name.g, shift name.b) or RMSNorm (gain name.g) over the last axis of x.
+
+    A non-finite x is an error (the op's); when a parameter holds nan or inf the error names
+    that parameter instead (looked for only once the norm has failed)."""
+    try:
+        return _norm_forward(params, name, x, kind, eps)
+    except ValueError as err:
+        xp = backend.namespace(x)
+        if not bool(xp.all(xp.isfinite(x))):
+            blame_parameters(params, f"the input of {name}", err)
+        raise
+
+
+def _norm_forward(params, name, x, kind, eps):
     values = params._values
     if kind == "layernorm":
         gain, shift = values[name + ".g"], values[name + ".b"]

@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
-from . import backend, data
-from .models.decoder import DecoderConfig, DecoderLM, check_sampling, sample_next
+from . import backend, checks, data
+from .models.decoder import DecoderConfig, DecoderLM, check_sampling
 from .train import ArgumentParser, CheckpointError, read_checkpoint
 
 SEPARATOR = "-" * 40
@@ -47,6 +47,10 @@ def load_model(path) -> tuple[DecoderLM, object]:
         config = DecoderConfig.from_dict(meta["model_config"]).validate()
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: malformed model_config ({err})") from None
+    tokenizer = _tokenizer(meta.get("tokenizer"), task, path)
+    if len(tokenizer.chars) != config.vocab_size:
+        raise CheckpointError(f"{path}: its tokenizer has {len(tokenizer.chars)} tokens, "
+                              f"its model {config.vocab_size}")
     model = DecoderLM(config)
     try:
         layout = [(n, tuple(s)) for n, s in meta["layout"]]
@@ -58,17 +62,27 @@ def load_model(path) -> tuple[DecoderLM, object]:
         model.params.load_flat(arrays["params"])
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from None
-    chars = meta.get("tokenizer")
-    if chars:
-        tokenizer = data.CharTokenizer(chars)
-    elif task in ("reverse", "sort"):
-        tokenizer = _DigitTokenizer()
-    else:
-        raise CheckpointError(f"{path}: a {task!r} checkpoint without its tokenizer")
-    if len(tokenizer.chars) != config.vocab_size:
-        raise CheckpointError(f"{path}: its tokenizer has {len(tokenizer.chars)} tokens, "
-                              f"its model {config.vocab_size}")
     return model, tokenizer
+
+
+def _tokenizer(chars, task, path):
+    """The tokenizer a checkpoint stores: its characters (distinct, in the sorted order that
+    gives each its id) or, for the digit tasks, none. CheckpointError for anything else."""
+    if chars is None:
+        if task in ("reverse", "sort"):
+            return _DigitTokenizer()
+        raise CheckpointError(f"{path}: a {task!r} checkpoint without its tokenizer")
+    if not isinstance(chars, str) or not chars:
+        raise CheckpointError(f"{path}: its tokenizer must be a non-empty string of "
+                              f"characters, got {type(chars).__name__} {chars!r:.60}")
+    try:
+        tokenizer = data.CharTokenizer(chars)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: malformed tokenizer ({err})") from None
+    if tokenizer.chars != chars:      # ids are positions in the sorted string
+        raise CheckpointError(f"{path}: its tokenizer's characters are not in sorted order, "
+                              "so the ids they stand for cannot be known")
+    return tokenizer
 
 
 class _DigitTokenizer:
@@ -84,7 +98,12 @@ class _DigitTokenizer:
         return np.array([self.chars.index(c) for c in text], dtype=np.int64)
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in np.asarray(backend.to_numpy(ids)).ravel())
+        host = np.asarray(backend.to_numpy(ids)).ravel()
+        if host.size and host.dtype.kind not in "iu":
+            raise TypeError(f"ids must be integers, got {host.dtype}")
+        if host.size:
+            checks.integer_ids("ids", host, len(self.chars))
+        return "".join(self.chars[int(i)] for i in host)
 
 
 def encode_prompt(tokenizer, prompt: str) -> np.ndarray:
@@ -123,7 +142,7 @@ def stream(model: DecoderLM, prompt_ids, max_new_tokens: int, temperature: float
         else:
             logits = model.forward_with_cache(backend.asarray(ids[:, -1:]), cache)
         last = np.asarray(backend.to_numpy(logits[:, -1, :]), dtype=np.float64)  # [1, V]
-        nxt = sample_next(last, temperature, top_k, top_p, rng)          # [1]
+        nxt = model.sample_next(last, temperature, top_k, top_p, rng)    # [1]
         ids = np.concatenate([ids, nxt[:, None]], axis=1)
         yield int(nxt[0])
 

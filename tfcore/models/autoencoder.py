@@ -20,6 +20,7 @@ from .. import functional as F
 from .. import nn
 from ..backend import FLOAT_DTYPES
 from .blocks import BlockSpec, block_backward, block_forward, block_param_shapes
+from .common import check_float_settings
 
 
 @dataclass
@@ -35,6 +36,12 @@ class AutoencoderConfig:
     dtype: str = "float64"
     init_std: float = 0.02
 
+    def __post_init__(self):
+        self._check_floats()
+
+    def _check_floats(self):
+        check_float_settings(self, positive=("eps", "init_std"), probabilities=("dropout",))
+
     def validate(self) -> "AutoencoderConfig":
         for name in ("d_model", "n_heads", "d_ff", "n_layers", "max_seq_len"):
             value = getattr(self, name)
@@ -48,10 +55,7 @@ class AutoencoderConfig:
                              f"({self.n_heads}): each head takes d_model / n_heads columns")
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be positive, got {self.eps}")
+        self._check_floats()
         return self
 
     @property
@@ -106,8 +110,14 @@ class Autoencoder:
 
     def forward(self, x, target=None, training: bool = False, rng=None):
         cfg, p = self.config, self.params
-        checks.float_inputs(x=x)
+        checks.float_inputs(x=x, target=target)
         checks.shape("x", x, (None, None, cfg.width))
+        if target is not None:
+            checks.shape("target", target, tuple(x.shape))
+        if x.shape[0] < 1 or x.shape[1] < 1:
+            raise ValueError(f"x must hold at least one sequence of at least one position "
+                             f"(x [B, T, {cfg.width}] with B, T >= 1: the loss is a mean over "
+                             f"its entries), got shape {tuple(x.shape)}")
         if x.shape[1] > cfg.max_seq_len:
             raise ValueError(
                 f"sequence of length {x.shape[1]} exceeds max_seq_len={cfg.max_seq_len}")

@@ -22,7 +22,22 @@ def standardize(x, eps: float):
     return centered
 
 
+def check_float_settings(config, positive=(), probabilities=()):
+    """The float fields of a model config, checked when the config is made (and again by its
+    validate()): each named field a real number (TypeError otherwise, naming it), finite and
+    > 0 for `positive` (eps, init_std, rope_base: an inf eps normalises every row to 0, an inf
+    init_std draws inf weights), in [0, 1) for `probabilities` (dropout); ValueError naming
+    the field otherwise."""
+    for name in positive:
+        checks.positive(name, getattr(config, name))
+    for name in probabilities:
+        value = checks.real(name, getattr(config, name))
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must lie in [0, 1), got {value}")
+
+
 def check_labels(labels, batch: int, n_classes: int):
     """labels [B] integers in [0, n_classes) (or -100 to skip an example)."""
+    checks.array("labels", labels)
     checks.shape("labels", labels, (batch,))
     checks.integer_ids("labels", labels, n_classes, allowed=-100)

@@ -30,6 +30,7 @@ from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
 from .blocks import replayable, take
+from .common import check_float_settings
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 # what the forward keeps of each block for the backward (chapter 17): "none" recomputes
@@ -87,6 +88,11 @@ class DecoderConfig:
             self.head_bias = bool(self.bias and not self.tied_head)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        self._check_floats()
+
+    def _check_floats(self):
+        check_float_settings(self, positive=("eps", "rope_base", "init_std"),
+                             probabilities=("dropout",))
 
     @classmethod
     def llama(cls, vocab_size: int, max_seq_len: int, d_model: int, n_layers: int, n_heads: int,
@@ -104,7 +110,10 @@ class DecoderConfig:
         return self.d_model // self.n_heads
 
     def validate(self) -> "DecoderConfig":
-        """Raise ValueError naming the first inconsistent setting; return self when all is well."""
+        """Raise ValueError naming the first inconsistent setting (TypeError for a float
+        field that is not a number); return self when all is well. The float fields (eps,
+        rope_base, init_std: finite and > 0; dropout in [0, 1)) are checked when the config
+        is made as well."""
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff",
                      "attention_block_size", "n_kv_heads"):
             value = getattr(self, name)
@@ -145,14 +154,7 @@ class DecoderConfig:
             raise ValueError(
                 f"rotary positions rotate pairs of columns, so the head dimension d_model / "
                 f"n_heads must be even, got {self.head_dim}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be positive, got {self.eps}")
-        if not self.rope_base > 0:
-            raise ValueError(f"rope_base must be positive, got {self.rope_base}")
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be positive, got {self.init_std}")
+        self._check_floats()           # again: a field may have been set since
         return self
 
     def block_spec(self) -> BlockSpec:
@@ -278,6 +280,7 @@ class DecoderLM:
 
     # -- forward -----------------------------------------------------------------------
     def _check_ids(self, ids, pos=0):
+        checks.array("ids", ids)        # a list: move it with tfcore.backend.asarray first
         checks.ndim("ids", ids, 2)
         seq = ids.shape[1]
         if seq < 1:
@@ -323,6 +326,7 @@ class DecoderLM:
         self._check_ids(ids)
         cfg = self.config
         if targets is not None:
+            checks.array("targets", targets)
             checks.shape("targets", targets, tuple(ids.shape))
         if training and cfg.dropout > 0 and rng is None:
             raise ValueError("training with dropout > 0 needs rng=tfcore.backend.default_rng(seed)")
@@ -365,6 +369,7 @@ class DecoderLM:
                 raise RuntimeError("backward() without dlogits needs a forward with targets")
             dlogits = F.cross_entropy_backward(1.0, c_loss, overwrite=True)  # [B, S, V]
         else:
+            checks.array("dlogits", dlogits)
             checks.shape("dlogits", dlogits, logits_shape)
         self._cache = None
         dx, dW, db = F.linear_backward(dlogits, c_head)                    # dx [B, S, D], dW [D, V]
@@ -454,19 +459,37 @@ class DecoderLM:
             else:
                 logits = self.forward_with_cache(backend.asarray(ids[:, -1:]), cache)
             last = np.asarray(backend.to_numpy(logits[:, -1, :]), dtype=np.float64)   # [B, V]
-            nxt = sample_next(last, temperature, top_k, top_p, rng)                   # [B]
+            nxt = self.sample_next(last, temperature, top_k, top_p, rng)              # [B]
             ids = np.concatenate([ids, nxt[:, None]], axis=1)
         return backend.asarray(ids, dtype="int64")
 
+    def sample_next(self, logits, temperature, top_k, top_p, rng):
+        """sample_next(...) of this model's logits [B, V]; non-finite logits are blamed on
+        the parameters that hold nan or inf, by name, when there are such."""
+        try:
+            return sample_next(logits, temperature, top_k, top_p, rng)
+        except FloatingPointError as err:
+            if np.all(np.isfinite(logits)):      # logits / temperature overflowed
+                raise
+            nn.blame_parameters(self.params, "the logits", err, kind=FloatingPointError)
+            raise
+
 
 def check_sampling(max_new_tokens, temperature, top_k, top_p):
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    """The sampling settings of generate and tfcore.sample, each error naming its argument:
+    temperature a finite real number >= 0 (a string is a TypeError), top_p a real number in
+    (0, 1] or None."""
+    if (isinstance(max_new_tokens, (bool, np.bool_))
+            or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0):
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    temperature = checks.real("temperature", temperature)
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
+    checks.nonnegative("temperature", temperature)
+    if top_k is not None and (isinstance(top_k, (bool, np.bool_))
+                              or not isinstance(top_k, (int, np.integer)) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    if top_p is not None and not 0.0 < checks.real("top_p", top_p) <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p}")
 
 

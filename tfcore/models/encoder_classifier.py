@@ -32,7 +32,7 @@ from ..functional.attention import (
     qkv_split,
     split_heads,
 )
-from .common import check_labels, standardize
+from .common import check_float_settings, check_labels, standardize
 
 
 @dataclass
@@ -51,6 +51,10 @@ class EncoderClassifierConfig:
     def __post_init__(self):
         if self.d_attn is None:
             self.d_attn = self.d_model
+        self._check_floats()
+
+    def _check_floats(self):
+        check_float_settings(self, positive=("eps", "init_std"))
 
     def validate(self) -> "EncoderClassifierConfig":
         for name in ("n_features", "seq_len", "d_model", "n_classes", "d_attn", "n_heads"):
@@ -62,8 +66,7 @@ class EncoderClassifierConfig:
                              f"({self.n_heads}): each head takes d_attn / n_heads columns")
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be positive, got {self.eps}")
+        self._check_floats()
         return self
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -143,6 +146,7 @@ class EncoderClassifier:
                 raise RuntimeError("backward() without dlogits needs a forward with labels")
             dlogits = F.cross_entropy_backward(1.0, c_loss)                 # [B, k] = (s - y) / B
         else:
+            checks.array("dlogits", dlogits)
             checks.shape("dlogits", dlogits, logits_shape)
         self._cache = None
         dh2_cls = nn.linear_backward(p, "head", dlogits, c_head)           # [B, d2]

@@ -19,7 +19,7 @@ from .. import checks
 from .. import functional as F
 from .. import nn
 from ..backend import FLOAT_DTYPES, namespace
-from .common import check_labels, standardize
+from .common import check_float_settings, check_labels, standardize
 
 
 @dataclass
@@ -32,6 +32,12 @@ class MLPConfig:
     dtype: str = "float64"
     init_std: float = 0.02
 
+    def __post_init__(self):
+        self._check_floats()
+
+    def _check_floats(self):
+        check_float_settings(self, positive=("eps", "init_std"))
+
     def validate(self) -> "MLPConfig":
         for name in ("n_features", "seq_len", "d_hidden", "n_classes"):
             value = getattr(self, name)
@@ -39,8 +45,7 @@ class MLPConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be positive, got {self.eps}")
+        self._check_floats()
         return self
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -103,6 +108,7 @@ class MLPClassifier:
                 raise RuntimeError("backward() without dlogits needs a forward with labels")
             dlogits = F.cross_entropy_backward(1.0, c_loss)                # [B, k] = (s - y) / B
         else:
+            checks.array("dlogits", dlogits)
             checks.shape("dlogits", dlogits, logits_shape)
         self._cache = None
         dflat = nn.linear_backward(p, "fc2", dlogits, c_fc2)              # [B, n d]
