@@ -117,3 +117,173 @@ def test_context_parallel_refuses_and_declines():
     with pytest.raises(ValueError, match="balanced must be True or False"):
         plan(config, cp=2, balanced="yes", batch=2, seq=SEQ)
     assert plan(config, cp=2, dp=2, batch=2, seq=SEQ).sent is None
+
+
+# -- every field of the plan, for several layouts, against what the runs hold and send ------------
+def _chunks(M, N):
+    """Chunk sizes floor/ceil(M / N), the larger first (numpy.array_split's rule)."""
+    return [M // N + (r < M % N) for r in range(N)]
+
+
+def _ring_all_reduce_sent(M, N, r):
+    """Bytes-free count: elements rank r sends in a ring all-reduce of M elements over N
+    ranks: reduce-scatter (every chunk but the one it ends with, c_r) and all-gather (every
+    chunk but the one it receives last, c_{r+1})."""
+    c = _chunks(M, N)
+    return 0 if N == 1 else 2 * M - c[r] - c[(r + 1) % N]
+
+
+def _observe(kind, config, f, **kw):
+    """One simulated step of the layout (float64): per world rank, (bytes held by kind,
+    bytes sent by '<group> <op>', bytes sent, peak chunk caches or None), each byte count
+    scaled to elements of f bytes; the bytes sent in the step only."""
+    held, by_op, sent, peak = _observe_float64(kind, config, **kw)
+    scale = lambda b: b * f // 8                                           # noqa: E731
+    return ([{k: scale(b) for k, b in h.items()} for h in held],
+            None if by_op is None else [{k: scale(b) for k, b in r.items()} for r in by_op],
+            [scale(b) for b in sent], peak)
+
+
+def _observe_float64(kind, config, **kw):
+    f = 8
+    from tfcore.parallel.fsdp import train_sharded
+    from tfcore.parallel.runner import train_parallel
+
+    batch, dp, tp = kw["batch"], kw.get("dp", 1), kw.get("tp", 1)
+    zero = kw.get("zero", 0)
+    if kind == "pp":
+        pp, m = kw["pp"], kw["microbatches"]
+        group = SimulatedGroup(dp * pp)
+        out = group.run(train_pipeline, config, 1, batch, SEQ, pp=pp, n_microbatches=m,
+                        schedule=kw.get("schedule", "1f1b"), dp=dp, gather=False)
+        sent = counted_step_bytes(group, out, pp, dp)
+        held = [dict(params=o["local_params"] * f, grads=o["local_params"] * f,
+                     optimizer=2 * o["local_params"] * f, gathered=0) for o in out]
+        return held, None, sent, [o["peak_live"] for o in out]
+    if kind == "cp":
+        group = SimulatedGroup(kw["cp"])
+        out = group.run(train_context_parallel, config, 1, batch, SEQ)
+        P = out[0]["params"].size * f
+        held = [dict(params=P, grads=P, optimizer=2 * P, gathered=0) for _ in out]
+        return held, None, [t.sent for t in group.traffic], None
+    if zero >= 2:
+        out = SimulatedGroup(tp * dp).run(train_sharded, config, 1, batch, SEQ, tp=tp, dp=dp,
+                                          stage=zero, gather=False)
+        held = []
+        for o in out:
+            peak = o["ledger"].peak()
+            # the transient part: what the peak holds beyond the shard (Z_d) of the kind
+            # that is gathered (ZeRO-3: parameters; ZeRO-2: gradients)
+            extra = peak["params" if zero == 3 else "grads"] - o["shard_size"] * f
+            held.append(dict(params=peak["params"], grads=peak["grads"],
+                             optimizer=peak["optimizer"], gathered=extra))
+    else:
+        out = SimulatedGroup(tp * dp).run(train_parallel, config, 1, batch, SEQ, tp=tp,
+                                          dp=dp, zero=bool(zero), gather=False)
+        held = [dict(o["held"], gathered=0) for o in out]
+    by_op = []
+    for o in out:
+        counted = {}
+        for c in o["step_calls"][0]:
+            counted[f"{c.group} {c.op}"] = counted.get(f"{c.group} {c.op}", 0) + c.sent
+        by_op.append(counted)
+    return held, by_op, [sum(r.values()) for r in by_op], None
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("dp", dict(dp=1)),
+    ("dp", dict(dp=2)),
+    ("dp", dict(dp=3, zero=1, batch=6)),
+    ("dp", dict(dp=2, tp=2, zero=1)),
+    ("dp", dict(dp=2, zero=2)),
+    ("dp", dict(dp=2, tp=2, zero=3)),
+    ("dp", dict(dp=4, zero=3, dtype="float32")),
+    ("pp", dict(pp=2, microbatches=2)),
+    ("pp", dict(pp=2, dp=2, microbatches=4, schedule="gpipe", batch=8)),
+    ("cp", dict(cp=2)),
+])
+def test_every_field_of_the_plan(kind, kw):
+    """Each field of Plan: memory per rank (params, grads, optimizer, gathered as the runs
+    hold them; activations; total = their sum, which a plan dropping a part fails), the
+    fullest rank, the bytes per rank by collective and in all (as the run sends them), the
+    busiest rank's traffic, the bubble (p - 1)/(v m) and the peak caches. The layouts run
+    in float64; a float32 plan is the float64 one with 4-byte elements."""
+    import dataclasses
+
+    from tfcore.models.sizes import decoder_sizes
+
+    config = _config("tiny", n_layers=2)
+    kw = dict(dict(batch=4, seq=SEQ), **kw)
+    dtype = kw.pop("dtype", "float64")
+    f = {"float64": 8, "float32": 4}[dtype]
+    p = plan(config, dtype=dtype, **kw)
+    held, by_op, sent, peak = _observe(kind, config, f, **{k: v for k, v in kw.items()
+                                                          if k != "seq"})
+    assert {x.name for x in dataclasses.fields(p)} == {
+        "layout", "memory", "memory_per_rank", "traffic", "traffic_per_rank", "sent",
+        "bubble", "peak_caches"}
+    # layout: what was asked, with the defaults filled in
+    expect = dict(dp=1, tp=1, pp=1, cp=1, zero=0, microbatches=1, virtual=1, dtype=dtype)
+    expect.update(kw)
+    if kind == "pp":
+        expect.setdefault("schedule", "1f1b")
+    if kind == "cp":
+        expect["balanced"] = True
+    assert p.layout == expect
+    # memory per rank
+    for w, (m, h) in enumerate(zip(p.memory_per_rank, held)):
+        assert set(m) == {"params", "grads", "optimizer", "gathered", "activations", "total"}
+        assert {k: m[k] for k in h} == h, w
+        priced = kind == "dp" and kw.get("tp", 1) == 1
+        rows = kw["batch"] // kw.get("dp", 1)
+        activations = (decoder_sizes(config.__class__(**{**config.to_dict(),
+                                                         "dtype": dtype}), rows, SEQ)
+                       ["activation_bytes"] if priced else None)
+        assert m["activations"] == activations
+        assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + (activations or 0)
+        assert m["gathered"] <= min(m["params"], m["grads"])
+    totals = [m["total"] for m in p.memory_per_rank]
+    assert p.memory == p.memory_per_rank[totals.index(max(totals))]
+    # bytes sent per rank, by collective and in all
+    assert p.sent == sent
+    assert [sum(r.values()) for r in p.traffic_per_rank] == p.sent
+    if by_op is not None:
+        for counted, priced in zip(by_op, p.traffic_per_rank):
+            assert {k: b for k, b in priced.items() if b} == {
+                k: b for k, b in counted.items() if b}
+    if kind == "pp":                     # independently: activations forward, gradients back
+        pp, m, dp = kw["pp"], kw["microbatches"], kw.get("dp", 1)
+        tokens = kw["batch"] // (dp * m) * SEQ
+        P_stage = [mem["params"] // f for mem in p.memory_per_rank[:pp]]
+        for w, r in enumerate(p.traffic_per_rank):
+            d, s = divmod(w, pp)
+            assert r["pp send"] == m * tokens * config.d_model * f * ((s < pp - 1) + (s > 0))
+            if dp > 1:
+                last = 1 if s == pp - 1 else 0        # and the token count T_c
+                assert r["dp all_reduce"] == f * (_ring_all_reduce_sent(P_stage[s], dp, d)
+                                                  + _ring_all_reduce_sent(last, dp, d))
+    busiest = p.sent.index(max(p.sent))
+    assert p.traffic == {k: b for k, b in sorted(p.traffic_per_rank[busiest].items()) if b}
+    # bubble and caches
+    pp, m, v = kw.get("pp", 1), kw.get("microbatches", 1), kw.get("virtual", 1)
+    assert p.bubble == (pp - 1) / (v * m)
+    assert p.peak_caches == peak
+
+
+def test_context_parallel_plans_grouped_query_attention():
+    """The ring trains grouped-query attention (n_kv_heads < n_heads): plan(cp=2) prices it
+    (the K, V blocks of the n_kv_heads heads, as the run sends them); the layouts of the
+    tensor-parallel decoder still refuse it, with the tensor-parallel message."""
+    config = DecoderConfig(**{**CONFIGS["tiny-llama"]().to_dict(), "n_kv_heads": 2})
+    group = SimulatedGroup(2)
+    results = group.run(train_context_parallel, config, 1, 2, SEQ)
+    p = plan(config, cp=2, batch=2, seq=SEQ)
+    assert p.sent == [t.sent for t in group.traffic]
+    P = results[0]["params"].size * 8
+    assert [m["total"] for m in p.memory_per_rank] == [4 * P, 4 * P]
+    full = plan(DecoderConfig(**{**config.to_dict(), "n_kv_heads": 4}), cp=2, batch=2,
+                seq=SEQ)
+    assert p.traffic["cp ring"] < full.traffic["cp ring"]      # fewer K, V heads move
+    for kwargs in (dict(dp=2), dict(tp=2), dict(pp=2)):
+        with pytest.raises(ValueError, match=r"n_kv_heads \(2\) must equal n_heads \(4\)"):
+            plan(config, batch=2, seq=SEQ, **kwargs)

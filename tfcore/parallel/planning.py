@@ -35,18 +35,25 @@ backward), then all-reduces the loss and the token count (2 elements) and the gr
 
 Layouts it cannot price give None rather than a guess, and why:
   activations with tp > 1 or pp > 1     the parallel model's caches have no closed form yet
-  pp > 1 with tp > 1 or zero > 0        no simulated run combines them with the tp
-                                        collectives of a stage, or ZeRO, to check against
-  microbatches > 1 without pp           gradient accumulation has no simulated run here
-  cp > 1 with dp, tp, pp or zero        no simulated run combines them
+  pp > 1 with tp > 1                    it runs (train_pipeline, simulated and under MPI),
+                                        but the bytes of the tp collectives inside a stage
+                                        have no closed form here yet
+  pp > 1 with zero > 0                  no run: the stages' optimizer is plain data parallel
+  microbatches > 1 without pp           accumulation runs (train_parallel), but these closed
+                                        forms price one pass of the batch per step: the
+                                        collectives of each micro-batch are not priced yet
+  cp > 1 with dp, tp, pp or zero        no run combines them (the command line refuses them)
   activations with cp > 1               the ring's caches have no closed form here yet
+The checks of a layout are those of the decoder that trains it: the tensor-parallel
+decoder's (model.check_layout: no grouped-query attention) without cp, the context-parallel
+decoder's (context.check_context_config: grouped-query attention runs) with cp > 1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..models.sizes import decoder_sizes
-from .context import ContextLayout, ring_attention_bytes
+from .context import ContextLayout, check_context_config, ring_attention_bytes
 from .model import check_layout
 from .pipeline import (
     SCHEDULES,
@@ -137,7 +144,10 @@ def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: in
         schedule = "interleaved" if virtual > 1 else "1f1b"
     if pp > 1:
         make_schedule(schedule, pp, microbatches, virtual)    # its own checks (p | m, v)
-    check_layout(config, tp)
+    if cp > 1:
+        check_context_config(config)              # the ring trains grouped-query attention
+    else:
+        check_layout(config, tp)
 
     layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, batch=batch, seq=seq,
                   microbatches=microbatches, virtual=virtual, dtype=dtype)

@@ -78,15 +78,17 @@ def replicated_elements(config) -> int:
 
 def local_parameters(config, tp: int, t: int) -> int:
     """P_t: parameters held by tensor-parallel rank t (vocabulary rows V_t, 1/N_T of the
-    heads and MLP columns, the replicated tensors whole)."""
+    heads and MLP columns, the replicated tensors whole). The fused q, k, v projection has
+    D + 2 H_kv D_h columns (3 D without grouped-query attention, which tp > 1 requires)."""
     D, F, L, N = config.d_model, config.d_ff, config.n_layers, tp
     a, b = chunk_bounds(config.vocab_size, N)[t]
     V_t = b - a
-    per_layer = 3 * D * D // N + D * D // N + D * F // N + F * D // N
+    qkv = D + 2 * config.n_kv_heads * config.head_dim
+    per_layer = D * qkv // N + D * D // N + D * F // N + F * D // N
     if config.mlp == "swiglu":
         per_layer += D * F // N
     if config.bias:
-        per_layer += 3 * D // N + F // N * (2 if config.mlp == "swiglu" else 1)
+        per_layer += qkv // N + F // N * (2 if config.mlp == "swiglu" else 1)
     P = V_t * D + L * per_layer + replicated_elements(config)
     if not config.tied_head:
         P += D * V_t
