@@ -96,6 +96,19 @@ def test_mpi_zero3_pipeline_and_context_equal_simulation_and_one_device(tmp_path
     assert saved["sent"].tolist() == [t.sent for t in group.traffic]
 
 
+@pytest.mark.parametrize("args", [["--tp", "2", "--sp", "--micro-batches", "2"],
+                                  ["--tp", "2", "--sp", "--micro-batches", "2", "--dropout",
+                                   "0.1"]])
+def test_mpi_accumulation_with_sequence_parallelism_passes_check(args):
+    """Accumulation under `mpiexec -n 4` (tp 2 x dp 2) with sequence parallelism (each
+    micro-batch's contribution to the replicated tensors' gradients summed once), and with
+    dropout too (each micro-batch keeps its rows of the whole batch's masks): --check
+    against one device (1e-12)."""
+    done = _mpiexec("-n", "4", *CLI, *args, "--steps", "2", "--check", "--quiet-times")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "one device: max relative difference" in done.stdout
+
+
 def test_mpi_reports_a_wrong_layout():
     done = _mpiexec("-n", "2", *CLI, "--tp", "3")
     assert done.returncode == 2

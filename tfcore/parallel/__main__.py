@@ -123,7 +123,8 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--check-tol", type=float, default=1e-12,
                     help="largest relative difference --check accepts (default 1e-12)")
     ap.add_argument("--no-call-check", action="store_true",
-                    help="MPI: skip the check that every rank calls the same collective")
+                    help="skip the check that every rank calls the same collective (on by "
+                    "default, under MPI and --simulate)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="MPI: seconds a rank waits for a message or for the other ranks' "
                     "next collective before it fails the job (default 600)")
@@ -414,7 +415,7 @@ def main_simulated(argv) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    group = SimulatedGroup(size, args.algorithm)
+    group = SimulatedGroup(size, args.algorithm, check_calls=not args.no_call_check)
     try:
         results = group.run(train, args, dp)
     except Exception as err:             # a failure on a rank (its message names it)
