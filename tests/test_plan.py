@@ -287,3 +287,18 @@ def test_context_parallel_plans_grouped_query_attention():
     for kwargs in (dict(dp=2), dict(tp=2), dict(pp=2)):
         with pytest.raises(ValueError, match=r"n_kv_heads \(2\) must equal n_heads \(4\)"):
             plan(config, batch=2, seq=SEQ, **kwargs)
+
+
+def test_the_calculator_is_tfcore_parallel_plan():
+    """As the README writes it: tfcore.parallel.plan(config, dp=2, zero=3, ...) is the
+    function, and no module of that name shadows it (the module is planning)."""
+    import importlib
+
+    import tfcore.parallel
+
+    p = tfcore.parallel.plan(_config("tiny"), dp=2, zero=3, batch=4, seq=SEQ)
+    assert p.layout["zero"] == 3 and p.memory["total"] > 0
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("tfcore.parallel.plan")
+    assert callable(tfcore.parallel.plan)
+    assert tfcore.parallel.plan is importlib.import_module("tfcore.parallel.planning").plan
