@@ -47,11 +47,12 @@ losses and the final parameters (.npz).
 A bad argument ends the run before any training with one line `error: ...` and status 2
 (under MPI every rank checks its arguments, then the ranks compare every argument before
 starting: a rank with a bad argument, or with valid arguments other than rank 0's, stops
-them all, and the line names the first argument that differs and the ranks of each value). A failure during training under MPI prints the
-failing rank's message and aborts the whole job (status 1) instead of leaving the other
-ranks waiting; collectives called differently on different ranks fail with a message that
-names both calls (--no-call-check turns that check off), and a rank that waits longer than
---timeout seconds for a message fails the job too.
+them all, and the line names the first argument that differs and the ranks of each
+value). A failure during training under MPI prints the failing rank's message and aborts
+the whole job (status 1) instead of leaving the other ranks waiting; collectives called
+differently on different ranks fail with a message that names both calls (--no-call-check
+turns that check off), and a rank that waits longer than --timeout seconds for a message
+fails the job too.
 """
 from __future__ import annotations
 

@@ -53,12 +53,12 @@ While requests are in flight, from the call that starts them to the wait() that 
 them, the caller must not start a blocking collective on the same communicator
 (RuntimeError, whether or not the collective has already finished on the progress thread:
 the refusal does not depend on timing): every rank starts the same requests in the same
-order, and only the progress thread talks on that communicator until they are waited on. Each rank's
-``Traffic.events`` records, in the order its own thread saw them, ``("launch", label)``,
-``("compute", label)`` (what the caller reports with ``record_compute``) and
-``("wait", label)``/``("done", label)``: which computation ran while which collective was
-in flight (``Traffic.overlaps()``); each Request keeps its wall-clock times and how long
-``wait()`` blocked (the exposed communication).
+order, and only the progress thread talks on that communicator until they are waited on.
+Each rank's ``Traffic.events`` records, in the order its own thread saw them,
+``("launch", label)``, ``("compute", label)`` (what the caller reports with
+``record_compute``) and ``("wait", label)``/``("done", label)``: which computation ran
+while which collective was in flight (``Traffic.overlaps()``); each Request keeps its
+wall-clock times and how long ``wait()`` blocked (the exposed communication).
 """
 from __future__ import annotations
 

@@ -145,9 +145,10 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
 
     micro_batches K: each rank's rows run as K micro-batches (weights c_k / T_c, counts
     summed over dp; with dropout each draws the whole batch's masks, seeded per step, and
-    keeps its own rows, so the masks are one device's on the whole batch); clip: max_norm of clipping by the global norm over TP, DP and ZeRO-1;
-    bucket_bytes: all-reduce the gradient in buckets of at most that many bytes, started
-    during the last micro-batch's backward (overlap=True) or after it (overlap=False).
+    keeps its own rows, so the masks are one device's on the whole batch); clip: max_norm
+    of clipping by the global norm over TP, DP and ZeRO-1; bucket_bytes: all-reduce the
+    gradient in buckets of at most that many bytes, started during the last micro-batch's
+    backward (overlap=True) or after it (overlap=False).
     exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
     K, max_norm = _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=True)
     if bucket_bytes is not None and (zero or (sequence_parallel and tp > 1)):
