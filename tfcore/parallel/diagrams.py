@@ -22,6 +22,11 @@ RANK_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"
                 "#da8bc3", "#8c8c8c")
 
 
+# The colours of what a rank holds, in every memory figure (chapters 20 and 23): its
+# parameters, their gradients and the optimizer state.
+STATE_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
+
+
 def _rank_colour(r: int) -> str:
     return RANK_COLOURS[r % len(RANK_COLOURS)]
 
