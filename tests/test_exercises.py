@@ -79,6 +79,30 @@ def attention_backward(G, q, k, v, causal):
     return dz @ k, np.swapaxes(dz, -1, -2) @ q, np.swapaxes(A, -1, -2) @ G
 
 
+def tiled_attention_backward(G, q, k, v, out, lse, causal, block_size,
+                             delta_of_the_tile=False):
+    scale, s = 1.0 / math.sqrt(q.shape[-1]), q.shape[2]
+    delta = np.sum(G * out, axis=-1, keepdims=True)           # [B, H, S, 1]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for i0 in range(0, s, block_size):
+        I = slice(i0, min(i0 + block_size, s))
+        for j0 in range(0, s, block_size):
+            J = slice(j0, min(j0 + block_size, s))
+            z = q[:, :, I] @ np.swapaxes(k[:, :, J], -1, -2) * scale
+            if causal:
+                z = np.where(np.arange(s)[J] > np.arange(s)[I, None], -np.inf, z)
+            P = np.exp(z - lse[:, :, I, None])
+            dP = G[:, :, I] @ np.swapaxes(v[:, :, J], -1, -2)
+            if delta_of_the_tile:  # a planted mistake: rowsum(P * dP) of this tile alone
+                dZ = P * (dP - np.sum(P * dP, axis=-1, keepdims=True)) * scale
+            else:
+                dZ = P * (dP - delta[:, :, I]) * scale
+            dv[:, :, J] += np.swapaxes(P, -1, -2) @ G[:, :, I]
+            dq[:, :, I] += dZ @ k[:, :, J]
+            dk[:, :, J] += np.swapaxes(dZ, -1, -2) @ q[:, :, I]
+    return dq, dk, dv
+
+
 RIGHT = {
     "linear": linear_backward,
     "softmax": softmax_backward,
@@ -90,6 +114,7 @@ RIGHT = {
     "rmsnorm": rmsnorm_backward,
     "cross_entropy": cross_entropy_backward,
     "attention": attention_backward,
+    "tiled_attention": tiled_attention_backward,
 }
 
 
@@ -134,6 +159,11 @@ def _planted(op):
             dq, dk, dv = attention_backward(G, q, k, v, causal)
             return dq, dk * math.sqrt(q.shape[-1]), dv
         return wrong, "dk"
+    if op == "tiled_attention":  # Delta summed over each tile's keys, not the whole row's
+        def wrong(G, q, k, v, out, lse, causal, block_size):
+            return tiled_attention_backward(G, q, k, v, out, lse, causal, block_size,
+                                            delta_of_the_tile=True)
+        return wrong, "dq"
     right = RIGHT[op]
 
     def wrong(G, **inputs):  # every other op: the first gradient 1 % too large

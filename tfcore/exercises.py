@@ -16,7 +16,9 @@ returned gradient with tfcore's at a relative error of 1e-12 (the error of
 `tfcore.gradcheck.rel_error`). A wrong gradient raises AssertionError naming the op, the
 gradient, the relative error, the sizes drawn and the worst entry. The reader's function
 gets the forward's *inputs*, not its output or cache: recomputing the forward is part of
-the exercise. `describe(op)` prints the signature each op expects.
+the exercise (the tiled attention's gets the forward's `out` and `lse` too: what its
+backward keeps in place of the probabilities). `describe(op)` prints the signature each op
+expects.
 """
 from __future__ import annotations
 
@@ -140,6 +142,23 @@ def _run_attention(a, s, G):
     return F.attention_backward(G, cache)
 
 
+def _draw_tiled_attention(rng):
+    n = _sizes(rng, B=(1, 2), H=(1, 2), S=(2, 9), D_h=(1, 4), block_size=(1, 4))
+    shape = (n["B"], n["H"], n["S"], n["D_h"])  # [B, H, S, D_h]
+    arrays = {name: rng.standard_normal(shape) for name in ("q", "k", "v")}
+    settings = {"causal": bool(rng.integers(0, 2)), "block_size": n["block_size"]}
+    # what the forward keeps: out [B, H, S, D_h] and the row log-sum-exp lse [B, H, S]
+    out, cache = F.tiled_attention_forward(*(asarray(arrays[x]) for x in "qkv"), **settings)
+    arrays["out"], arrays["lse"] = to_numpy(out), to_numpy(cache[4])
+    return arrays, settings, n
+
+
+def _run_tiled_attention(a, s, G):
+    _, cache = F.tiled_attention_forward(a["q"], a["k"], a["v"], causal=s["causal"],
+                                         block_size=s["block_size"])
+    return F.tiled_attention_backward(G, cache)
+
+
 EXERCISES = {
     "linear": _Exercise(
         "backward(G, x, W, b) -> (dx, dW, db); y = x @ W + b, x [B, S, D_in], "
@@ -188,6 +207,13 @@ EXERCISES = {
         "backward(G, q, k, v, causal) -> (dq, dk, dv); out = softmax(q k^T / sqrt(D_h) "
         "+ M) v, M = -inf above the diagonal when causal, q, k, v and G [B, H, S, D_h]",
         ("dq", "dk", "dv"), _draw_attention, _run_attention,
+    ),
+    "tiled_attention": _Exercise(
+        "backward(G, q, k, v, out, lse, causal, block_size) -> (dq, dk, dv), one "
+        "[block_size, block_size] tile of scores at a time; out = softmax(Z) v with "
+        "Z = q k^T / sqrt(D_h) + M, M = -inf above the diagonal when causal, lse [B, H, S] "
+        "the row log-sum-exp of Z; q, k, v, out and G [B, H, S, D_h]",
+        ("dq", "dk", "dv"), _draw_tiled_attention, _run_tiled_attention,
     ),
 }
 
@@ -270,6 +296,8 @@ def check_backward(op_name: str, your_backward: Callable, *, trials: int = 3, se
 def _output_shape(op_name: str, arrays: dict) -> tuple:
     if op_name == "linear":
         return arrays["x"].shape[:-1] + arrays["W"].shape[1:]
+    if op_name == "tiled_attention":
+        return arrays["q"].shape
     if op_name == "attention":
         return arrays["q"].shape[:-1] + arrays["v"].shape[-1:]
     return next(iter(arrays.values())).shape  # element-wise and row-wise ops
