@@ -7,7 +7,9 @@ written D_ff (it is F), N_d for the data-parallel size (N_D), the loss written L
 bare \\ell (it is \\mathcal{L}; \\ell carries a token's subscript), hidden states written
 h_t or h^{(l)} (they are X; h is the finite-difference step), the token count written
 N = BS or N_valid (it is T = BS and T_c), and, for the chapters on training at scale, the
-micro-batches counted as K (it is n_\\mu; K is the key matrix). The errata appendix and the page of source notes
+micro-batches counted as K or m (it is n_\\mu; K is the key matrix, m a running maximum), the
+pipeline stages as p (N_P; p is a dropout probability) and the bytes per element as b (f; b
+is a bias). The errata appendix and the page of source notes
 quote the notes in the notes' own notation, so they are not checked.
 """
 from __future__ import annotations
@@ -59,6 +61,19 @@ DRIFT = {
     # 1/K, T_c/K: an accumulation weight over K micro-batches (K is the key matrix)
     "K for the micro-batches (it is n_\\mu)":
         re.compile(r"(?<![A-Za-z_])(?:1|T_c)\s*/\s*K(?![A-Za-z_])"),
+    # Mb, Nb, \Psi = Nb, (N + 2)\,b, N^{(t)} b, \lceil .. \rceil b: a count of elements times
+    # b (a bias is added, never multiplied by a count)
+    "b for bytes per element (it is f; b is a bias)": re.compile(
+        r"(?:[MN]|\\Psi|\)|\\rceil|\(t\)\}|\\text\{loc\})\s*(?:\\[,;]\s*)?b(?![A-Za-z_{^])"),
+    # p = N_P, the bubble (p - 1)/.., \min(p - r, ..), L/p and L/(pv) blocks, pv | L
+    "p for the pipeline stages (it is N_P; p is a dropout probability)": re.compile(
+        NOT_AFTER + r"p\s*=\s*N_P|\(\s*p\s*-\s*1\s*\)\s*/|\\min\s*\(\s*p\s*-|" + NOT_AFTER
+        + r"p\s*-\s*r(?![A-Za-z_])|L\s*/\s*\(?\s*p\s*v?\s*\)?(?![A-Za-z_])|" + NOT_AFTER
+        + r"p\s*v?\s*\\mid"),
+    # the bubble ../m and ../(vm), B/(N_D m), \min(.., vm), m B_m: m counting micro-batches
+    "m for the micro-batches (it is n_\\mu; m is a running maximum)": re.compile(
+        r"-\s*1\s*\)\s*/\s*\(?\s*v?\s*(?:\\,\s*)?m(?![A-Za-z_])|N_D\s*m(?![A-Za-z_])"
+        r"|\(\s*v\s*(?:\\,\s*)?m\s*\)|,\s*v\s*m\s*\)|(?<![A-Za-z_\\])m\s*B_"),
 }
 MATH = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$", re.S)
 
@@ -153,6 +168,10 @@ PLANTED = [
     r"$N = B \cdot S$ tokens", r"$N = BS$", r"$dZ = P / N_\text{valid}$",
     r"$$\begin{aligned} y &= L(x) \end{aligned}$$", r"$\partial L / \partial X$",
     r"$\nabla L$", r"$\frac{dL}{dx}$", r"$w_k = 1/K$", r"$c_k = T_c/K$",
+    r"$2\frac{N_T-1}{N_T}Mb$", r"$\Psi = Nb$", r"$(N + 2)\,b$", r"$2N^{(t)} b$",
+    r"$2\lceil N/N_D\rceil b$", r"$p = N_P$ stages", r"$(p-1)/m$", r"$\min(p - r, m)$",
+    r"$L/p$ blocks", r"$L/(pv)$", r"$pv \mid L$", r"$(N_P-1)/m$", r"$(N_P - 1)/(vm)$",
+    r"$B_\mu = B/(N_D m)$", r"$\min(2, vm)$", r"$m B_\mu S D f$",
 ]
 CLEAN = [
     r"$F = 4D$", r"$N_D$ replicas", r"$N_T$ ranks", r"$\mathcal{L}(\theta)$", r"$\ell_t$",
@@ -163,6 +182,10 @@ CLEAN = [
     r"$N_\text{mm} = L(4D^2 + 2DF) + DV$", r"$L(8TD + 2T)$", r"$\mathcal L(\theta + h u)$",
     r"$\partial \mathcal{L} / \partial X_L$", r"$\nabla_\theta \mathcal L$", r"$dX_L$",
     r"$w_k = c_k / T_c$", r"$1/n_\mu$", r"$\sum_{k=1}^{K} a_{ik} b_{kj}$", r"$1/K_J$",
+    r"$y = xW + b$", r"$Y = XW + \mathbf{1} b$", r"$db = \sum_{b,s} G_{b,s}$",
+    r"$2\frac{N_T-1}{N_T}Mf$", r"$\Psi = Nf$", r"$y = x \odot m / (1 - p)$", r"$(p-1)!!$",
+    r"$\mathbb E[x^p]$", r"$(N_P - 1)/n_\mu$", r"$(N_P-1)/(v\,n_\mu)$", r"$s = c N_P + r$",
+    r"$m_t = \beta_1 m_{t-1}$", r"$m = \max(m_X, m_Y)$", r"$\alpha + Mf/\beta$",
 ]
 
 
