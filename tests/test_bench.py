@@ -189,3 +189,44 @@ def test_the_tiled_attention_opt_in_gives_the_dense_gradients():
         grads.append(np.array(model.params.grad))
     assert abs(losses[1] - losses[0]) <= 1e-12 * abs(losses[0])
     assert np.linalg.norm(grads[1] - grads[0]) <= 1e-12 * np.linalg.norm(grads[0])
+
+def test_a_table_records_the_machine_it_ran_on():
+    """CPU model and family/model numbers, NumPy's SIMD level, the BLAS with its core type
+    and the versions: a table from one CPU says nothing about another."""
+    import numpy as np
+    from numpy._core._multiarray_umath import __cpu_dispatch__
+
+    seen = bench.machine()
+    assert seen["cpus"] >= 1 and seen["numpy"] == np.__version__
+    assert seen["simd"] in (*__cpu_dispatch__, "baseline")
+    assert seen["cpu"] and seen["cpu_id"].startswith("family ")
+    assert seen["blas"].split()[0] in ("openblas", "mkl", "blis", "accelerate")
+    table = bench.format_table(dict(meta=dict(command="c", date="d", kernels="on", max_load=0.1,
+                                              torch=None, torch_attention="sdpa", peaks={},
+                                              **seen), rows=[]))
+    assert f"SIMD {seen['simd']}" in table and seen["cpu_id"] in table
+
+
+def test_the_readme_says_of_the_stored_table_what_it_holds():
+    """The README's sentence on benchmarks/results.json: the CPU it names, each float32 ratio,
+    the float64 range and medium's share of the peak are the stored table's, rounded."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    stored = json.loads((root / "benchmarks" / "results.json").read_text())
+    text = " ".join((root / "README.md").read_text().split())
+    said = re.search(r"`benchmarks/results\.json` holds one run on a quiet 2-core (\w+ \w+)"
+                     r".*?float32 tiny ([\d.]+) \(one thread\) and ([\d.]+) \(two\), small "
+                     r"([\d.]+) and ([\d.]+), medium ([\d.]+) and ([\d.]+) with (\d+)% and "
+                     r"(\d+)% of the GEMM peak.*?float64 ([\d.]+)-([\d.]+);", text)
+    assert said, "the README no longer describes benchmarks/results.json"
+    assert stored["meta"]["cpu"].startswith(said.group(1))
+    row = {(r["threads"], r["config"], r["dtype"]): r for r in stored["rows"]}
+    ratios = [f"{row[(t, c, 'float32')]['ratio']:.2f}"
+              for c in ("tiny", "small", "medium") for t in (1, 2)]
+    assert list(said.group(2, 3, 4, 5, 6, 7)) == ratios
+    peaks = [f"{row[(t, 'medium', 'float32')]['tfcore']['pct_peak']:.0f}" for t in (1, 2)]
+    assert list(said.group(8, 9)) == peaks
+    f64 = [r["ratio"] for r in stored["rows"] if r["dtype"] == "float64"]
+    assert said.group(10, 11) == (f"{min(f64):.2f}", f"{max(f64):.2f}")

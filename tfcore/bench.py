@@ -6,6 +6,13 @@
     python -m tfcore.bench --no-torch                          # tfcore alone
     python -m tfcore.bench --show benchmarks/results.json      # print a saved table again
 
+Configurations: tiny, small and medium (1024 tokens a step, at S = 64, 128 and 256), and
+long and long2k (V 1024, D 256, L 2, H 4; S = 1024 and 2048 at the same 2048 tokens a step,
+where attention's S^2 terms dominate); run them with --tfcore-attention dense and tiled to see
+how time and memory grow with S. Each saved table records the machine it ran on (CPU model
+and family/model numbers, NumPy's SIMD level, the BLAS with its core type, the versions):
+a table holds for that CPU only.
+
 A step is forward + backward + AdamW of a GPT-style DecoderLM (pre-LayerNorm, learned
 positions, tanh GELU, tied head), with each library's fused attention by default: tfcore's
 attention="tiled" (--tfcore-attention dense keeps the [B, H, S, S] scores) and PyTorch's
@@ -65,6 +72,9 @@ CONFIGS = {
     "tiny": dict(vocab_size=65, d_model=64, n_layers=2, n_heads=4, seq=64, batch=16),
     "small": dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, seq=128, batch=8),
     "medium": dict(vocab_size=1024, d_model=512, n_layers=6, n_heads=8, seq=256, batch=4),
+    # long sequences at the same 2048 tokens a step: attention's S^2 dominates
+    "long": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, seq=1024, batch=2),
+    "long2k": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, seq=2048, batch=1),
 }
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 DTYPES = ("float32", "float64")
@@ -509,8 +519,11 @@ def format_table(results: dict) -> str:
     """The benchmark's table (what `--json` saved) as one block of text, 84 columns wide."""
     meta = results["meta"]
     lines = [f"{meta['command']}",
-             f"{meta['date']}  {meta['cpu']}, {meta['cpus']} CPUs; numpy {meta['numpy']}, "
-             f"torch {meta.get('torch') or '-'}; kernels {meta['kernels']}",
+             f"{meta['date']}  {meta['cpu']}"
+             + (f" ({meta['cpu_id']})" if "cpu_id" in meta else "")
+             + f", {meta['cpus']} CPUs; numpy {meta['numpy']}, "
+             f"torch {meta.get('torch') or '-'}; kernels {meta['kernels']}"
+             + (f"; SIMD {meta['simd']}; BLAS {meta['blas']}" if "simd" in meta else ""),
              f"windows dropped when other processes used > {meta['max_load']} CPU; "
              f"ratio = tfcore / PyTorch; attention: {meta.get('tfcore_attention', 'dense')}"
              f" in tfcore, {meta['torch_attention']} in PyTorch",
@@ -558,6 +571,61 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def _cpu_id() -> str:
+    """Family, model and stepping from /proc/cpuinfo: a virtual machine often names its CPU
+    only "Intel(R) Xeon(R) Processor", and these say which generation it is."""
+    found = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model", "stepping") and key not in found:
+                    found[key] = value.strip()
+                if not line.strip() and found:
+                    break
+    except OSError:
+        return "unknown"
+    return " ".join(f"{k.split()[-1]} {found[k]}" for k in ("cpu family", "model", "stepping")
+                    if k in found) or "unknown"
+
+
+def _simd_level() -> str:
+    """The widest SIMD target NumPy dispatches to on this CPU (its ufuncs' exp, tanh, ...):
+    a table from an AVX-512 machine says little about an AVX2 one."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:
+        return "unknown"
+    usable = [t for t in __cpu_dispatch__ if __cpu_features__.get(t)]
+    return usable[-1] if usable else "baseline"
+
+
+def _blas() -> str:
+    """NumPy's BLAS, its version and the core type its kernels were chosen for (OpenBLAS's
+    architecture, which OPENBLAS_CORETYPE overrides)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown"
+    for lib in threadpool_info():
+        if lib.get("user_api") == "blas":
+            core = lib.get("architecture")
+            return (f"{lib.get('internal_api')} {lib.get('version')}"
+                    + (f" ({core} kernels)" if core else ""))
+    return "unknown"
+
+
+def machine() -> dict:
+    """What a benchmark row depends on besides the code: the CPU, its SIMD level, the BLAS
+    and its core type, and the versions of the libraries that run the step."""
+    import numba
+    return dict(cpu=_cpu_name(), cpu_id=_cpu_id(), cpus=os.cpu_count(), simd=_simd_level(),
+                blas=_blas(),
+                numpy=np.__version__, numba=numba.__version__,
+                python=platform.python_version())
 
 
 # -- the profile ---------------------------------------------------------------------------
@@ -776,8 +844,8 @@ def main(argv=None):
     tiled = args.tfcore_attention == "tiled"
     meta = dict(command="python -m tfcore.bench " + " ".join(
                     sys.argv[1:] if argv is None else argv),
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpu=_cpu_name(),
-                cpus=os.cpu_count(), numpy=np.__version__, torch=torch_version,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **machine(),
+                torch=torch_version,
                 kernels="on" if kernels.enabled() else "off", max_load=args.max_load,
                 torch_attention=args.torch_attention, tfcore_attention=args.tfcore_attention,
                 peaks={})
