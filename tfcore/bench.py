@@ -610,12 +610,13 @@ def _blas() -> str:
         from threadpoolctl import threadpool_info
     except ImportError:
         return "unknown"
-    for lib in threadpool_info():
-        if lib.get("user_api") == "blas":
-            core = lib.get("architecture")
-            return (f"{lib.get('internal_api')} {lib.get('version')}"
-                    + (f" ({core} kernels)" if core else ""))
-    return "unknown"
+    blas = [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    if not blas:
+        return "unknown"
+    # NumPy's own (SciPy may load an OpenBLAS of its own beside it)
+    lib = min(blas, key=lambda lib: "numpy" not in lib.get("filepath", ""))
+    core = lib.get("architecture")
+    return f"{lib.get('internal_api')} {lib.get('version')}" + (f" ({core} kernels)" if core else "")
 
 
 def machine() -> dict:
