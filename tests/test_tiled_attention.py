@@ -133,6 +133,22 @@ def test_causal_skips_the_tiles_above_the_diagonal():
     assert len(attention_tiles(7, 7, 3, causal=False)) == 9
 
 
+def test_causal_tile_is_the_slice_of_the_whole_table():
+    """Each diagonal tile's causal table, built from the tile's own index ranges, equals
+    the same slice of the whole [S_q, S_k] table, with and without the KV offset."""
+    from tfcore.functional.attention import _causal_table
+    from tfcore.functional.tiled_attention import causal_tile
+
+    xp = backend.namespace(asarray(np.zeros(1)))
+    for s_q, s_k, block in ((8, 8, 3), (3, 11, 2), (7, 7, 7), (5, 9, 4)):
+        whole = to_numpy(_causal_table(xp, s_q, s_k, xp.float64))
+        for i0, i1, j0, j1, diagonal in attention_tiles(s_q, s_k, block, causal=True):
+            tile = to_numpy(causal_tile(xp, s_q, s_k, (i0, i1), (j0, j1), xp.float64))
+            assert tile.shape == (i1 - i0, j1 - j0)
+            assert np.array_equal(tile, whole[i0:i1, j0:j1])
+            assert diagonal == bool(np.isinf(tile).any())    # only diagonal tiles mask
+
+
 # --------------------------------------------------------------------------------------
 # Dropout: the tiled op's own mask, a pure function of (seed, b, h, i, j)
 

@@ -63,8 +63,9 @@ def dropout_keep(seed: int, shape: tuple, rows: tuple, cols: tuple, p: float, li
     """The keep-mask of one tile: bool [B, H, i1 - i0, j1 - j0], True where kept.
 
     Entry (b, h, i, j) of the full [B, H, S_q, S_k] = `shape` mask is kept when
-    u = splitmix64(seed + (n + 1) * golden) / 2^64 >= p, n = ((b H + h) S_q + i) S_k + j
-    its row-major index (uint64 arithmetic, wrapping). So the mask is the same whichever
+    u = (z >> 11) * 2^-53 >= p, z = splitmix64(seed + (n + 1) * golden), n =
+    ((b H + h) S_q + i) S_k + j its row-major index (uint64 arithmetic, wrapping): u is the
+    top 53 bits of the hash as a float64 in [0, 1), exact. So the mask is the same whichever
     tiles it is computed in, and on every array library.
     """
     xp = backend.namespace(like)
