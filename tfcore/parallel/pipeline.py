@@ -98,7 +98,7 @@ def interleaved_schedule(n_stages: int, n_microbatches: int,
     p, m, v = n_stages, n_microbatches, n_virtual
     if m % p:
         raise ValueError(f"the interleaved schedule needs n_microbatches ({m}) divisible by "
-                         f"n_stages ({p}): micro-batches go through the chunks in groups of p")
+                         f"n_stages ({p}): micro-batches go through the chunks in groups of n_stages")
     total = v * m
 
     def forward(k):
