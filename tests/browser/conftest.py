@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD = ROOT / "_build" / "html"
+# TFCORE_BOOK_HTML checks another HTML build of the book than `make book`'s _build/html.
+BUILD = Path(os.environ.get("TFCORE_BOOK_HTML", ROOT / "_build" / "html"))
 CHROMIUM = Path(os.environ.get("TFCORE_CHROMIUM", "/usr/bin/chromium"))
 
 # Headless, and quiet: no background traffic of the browser itself (updates, sync, QUIC probes).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import html
 import html.parser
+import os
 import posixpath
 import re
 from collections import Counter
@@ -44,7 +45,9 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 
-BUILD = Path(__file__).resolve().parents[2] / "_build" / "html"
+# TFCORE_BOOK_HTML checks another HTML build of the book than `make book`'s _build/html.
+BUILD = Path(os.environ.get("TFCORE_BOOK_HTML",
+                           Path(__file__).resolve().parents[2] / "_build" / "html"))
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 # A TeX delimiter, a lone $ (a $$ display that Markdown split, as in a list item) included,
 # or an environment that was never typeset.
@@ -478,3 +481,35 @@ def test_math_and_citation_checks_report_planted_errors(book_server, browser_con
     # The labels the book uses are readable.
     for label in ("VSP+17", "Sha20", "BPRS18", "KCL+23", "note 004", "ZS19a"):
         assert READABLE_CITATION.fullmatch(label), label
+
+
+# A printed table (chapter 13's layouts: one line a row, columns aligned by spaces) wraps at
+# the column's edge on a wide window, where it fits, and keeps its lines on a phone, where a
+# wrapped row would scatter its columns over two lines: there it scrolls inside its own box.
+_PRINTED_TABLE_JS = r"""
+(needle) => {
+  const pre = [...document.querySelectorAll(".cell_output pre")]
+    .find(p => p.textContent.includes(needle));
+  if (!pre) return null;
+  const style = getComputedStyle(pre);
+  return { whiteSpace: style.whiteSpace, overflowX: style.overflowX,
+           scrollWidth: pre.scrollWidth, clientWidth: pre.clientWidth };
+}
+"""
+
+
+def test_printed_tables_scroll_on_a_phone(book_server, browser_context):
+    page = browser_context.new_page()
+    try:
+        page.goto(book_server + "chapters/13_data_parallel.html", wait_until="load")
+        wide = page.evaluate(_PRINTED_TABLE_JS, "sent/rank/step")
+        page.set_viewport_size({"width": 400, "height": 900})
+        page.wait_for_timeout(100)  # one layout pass
+        narrow = page.evaluate(_PRINTED_TABLE_JS, "sent/rank/step")
+        page.set_viewport_size({"width": 1280, "height": 900})
+    finally:
+        page.close()
+    assert wide is not None, "chapter 13 no longer prints its table of layouts"
+    assert wide["whiteSpace"] == "pre-wrap" and wide["scrollWidth"] <= wide["clientWidth"], wide
+    assert narrow["whiteSpace"] == "pre" and narrow["overflowX"] == "auto", narrow
+    assert narrow["scrollWidth"] > narrow["clientWidth"], narrow  # kept whole, so it scrolls
