@@ -9,7 +9,11 @@ output, so the PDF holds vector math) and prints it with these rules:
 
 * the collapsed code cells are opened, without their fade-in animation (printed during the
   animation, a cell's code came out at opacity 0: an empty box); the exercises' hints and
-  solutions stay closed, so a reader can try the exercise first;
+  solutions stay closed, so a reader can try the exercise first, and each closed bar stays on
+  the page of its question (no page holds only an exercise's Hint and Solution bars);
+* a last part, "Solutions to the exercises", collects every exercise's solution, chapter by
+  chapter and numbered as the exercises, so that the printed book holds what its closed
+  bars hide (the HTML book is left as it is: it opens the bars in place);
 * every chapter starts on a new page;
 * a box the themes keep in one piece (an admonition, and a collapsed cell is one; a code block;
   a table) may break across pages when it is taller than a third of a page: kept whole, it
@@ -57,6 +61,14 @@ mjx-container[display="true"] { overflow: visible !important; }
 mjx-container[display="true"] svg { max-width: 100%; height: auto; }
 pre { white-space: pre-wrap !important; word-break: break-all; font-size: 8pt !important; }
 img { max-width: 100% !important; break-inside: avoid; }
+/* An exercise's closed Hint and Solution bars go to the page of its question: the question
+   and its bars are one box (_PREPARE_JS), kept whole unless it is taller than a third of a
+   page; no page break before a bar nor inside one. */
+.tfcore-exercise { break-inside: avoid; }
+details.sd-dropdown { break-before: avoid; break-inside: avoid !important; }
+/* The solutions part: each solution's number stays with its first line. */
+.tfcore-solution { margin-bottom: 0.8em; }
+.tfcore-solution > .tfcore-solution-label { break-after: avoid; margin-bottom: 0.2em; }
 .bd-header-article, .bd-sidebar-primary, .bd-sidebar-secondary, .headerlink,
 .copybtn, .toggle-button, button { display: none !important; }
 """
@@ -75,8 +87,113 @@ async (only) => {
   }
   if (window.MathJax && MathJax.startup) await MathJax.startup.promise;
   for (const d of document.querySelectorAll("details")) d.open = d.classList.contains("hide");
+  // Each run of an exercise's closed bars (sphinx-design dropdowns), with the block before it
+  // (its question), goes into one box that is kept on one page.
+  for (const d of document.querySelectorAll("details.sd-dropdown")) {
+    if (d.parentElement.classList.contains("tfcore-exercise")) continue;
+    const run = [d];
+    for (let n = d.nextElementSibling; n && n.matches("details.sd-dropdown"); n = n.nextElementSibling) {
+      run.push(n);
+    }
+    const question = d.previousElementSibling;
+    const box = document.createElement("div");
+    box.className = "tfcore-exercise";
+    d.before(box);
+    if (question && !question.matches("details, h1, h2, h3, h4, h5, h6, section, span")) {
+      box.append(question);
+    }
+    box.append(...run);
+  }
 }
 """
+
+# Runs after the typesetting: appends the part that prints every exercise's solution. Each
+# chapter (the section after a document anchor) with solutions gets a section titled as the
+# chapter; each solution (a sphinx-design dropdown whose title is "Solution") is copied there,
+# typeset math included, under the number of its exercise (the item of the numbered list
+# before it). Copies lose their ids, so that no id of the page is repeated. The part is a
+# chapter of its own (a document anchor and a section): it starts a page and is an entry of
+# the outline. Returns {chapter title: number of solutions}.
+_SOLUTIONS_JS = r"""
+(title) => {
+  const text = (el) => el.textContent.replace(/\s+/g, " ").trim();
+  const solutionOf = (d) => {
+    const summary = d.querySelector(":scope > summary");
+    return summary && /^Solution\b/.test(text(summary));
+  };
+  // The question is the first block of the exercise's box (_PREPARE_JS): the last item of a
+  // numbered list, or a paragraph that starts with its number.
+  const exerciseNumber = (d) => {
+    const item = d.closest("li");
+    if (item && item.parentElement.tagName === "OL") {
+      const list = item.parentElement;
+      return Number(list.getAttribute("start") || 1) + [...list.children].indexOf(item);
+    }
+    const box = d.closest(".tfcore-exercise");
+    const question = box && box.firstElementChild;
+    if (!question || question.matches("details")) return null;
+    if (question.tagName === "OL") {
+      return Number(question.getAttribute("start") || 1) + question.children.length - 1;
+    }
+    const number = /^(\d+)\./.exec(text(question));
+    return number ? Number(number[1]) : null;
+  };
+  const withoutIds = (node) => {
+    if (node.nodeType !== Node.ELEMENT_NODE) return node;
+    for (const el of [node, ...node.querySelectorAll("[id]")]) el.removeAttribute("id");
+    return node;
+  };
+  const part = document.createElement("section");
+  part.id = "tfcore-solutions";
+  const heading = document.createElement("h2");
+  heading.textContent = title;
+  const intro = document.createElement("p");
+  intro.textContent = "The chapters print each exercise's hint and solution closed, so that the "
+    + "exercise can be tried first. Here is every solution, chapter by chapter, under the "
+    + "number of its exercise.";
+  part.append(heading, intro);
+  const counts = {};
+  const chapters = document.querySelectorAll('span[id^="document-"] + section');
+  for (const chapter of chapters) {
+    const solutions = [...chapter.querySelectorAll("details.sd-dropdown")].filter(solutionOf);
+    const chapterHeading = chapter.querySelector(":scope > h1, :scope > h2");
+    if (!solutions.length || !chapterHeading) continue;
+    const section = document.createElement("section");
+    const sub = withoutIds(chapterHeading.cloneNode(true));
+    const h3 = document.createElement("h3");
+    h3.append(...sub.childNodes);
+    for (const link of h3.querySelectorAll(".headerlink")) link.remove();
+    section.append(h3);
+    let previous = 0;
+    for (const d of solutions) {
+      const number = exerciseNumber(d) ?? previous + 1;
+      previous = number;
+      const item = document.createElement("div");
+      item.className = "tfcore-solution";
+      const label = document.createElement("p");
+      label.className = "tfcore-solution-label";
+      const strong = document.createElement("strong");
+      strong.textContent = `Exercise ${number}`;
+      label.append(strong);
+      item.append(label);
+      const body = d.querySelector(".sd-summary-content") || d;
+      for (const child of body.children) {
+        if (child.tagName !== "SUMMARY") item.append(withoutIds(child.cloneNode(true)));
+      }
+      section.append(item);
+    }
+    part.append(section);
+    counts[text(h3)] = solutions.length;
+  }
+  if (!Object.keys(counts).length) return counts;
+  const anchor = document.createElement("span");
+  anchor.id = "document-tfcore-solutions";
+  const last = chapters[chapters.length - 1];
+  last.after(anchor, part);
+  return counts;
+}
+"""
+SOLUTIONS_TITLE = "Solutions to the exercises"
 
 # Runs in print layout: which boxes kept whole are too tall to be kept whole, and the outline:
 # every chapter (the section after a document anchor of the single-page build; the front page
@@ -84,7 +201,7 @@ async (only) => {
 # each id makes chromium write it into the PDF as a named destination, with its page.
 _LAYOUT_JS = r"""
 (maxHeight) => {
-  const boxes = ".admonition, details, div.highlight, div[class*=highlight-], "
+  const boxes = ".admonition, details, .tfcore-exercise, div.highlight, div[class*=highlight-], "
               + "div.literal-block-wrapper, table, .cell, .cell_output, pre, figure, blockquote";
   let loosened = 0;
   for (const el of document.querySelectorAll(boxes)) {
@@ -191,9 +308,11 @@ def print_pdf(site: Path, destination: Path, only: list[str] | None = None) -> d
                        else r.abort())
             page.goto(origin + "index.html", wait_until="load")
             page.evaluate(_PREPARE_JS, only or [])
+            solutions = page.evaluate(_SOLUTIONS_JS, SOLUTIONS_TITLE)
             page.add_style_tag(content=PRINT_CSS)
             page.emulate_media(media="print")
             layout = page.evaluate(_LAYOUT_JS, PRINT_HEIGHT_PX / 3)
+            layout["solutions"] = solutions
             page.pdf(path=str(printed), format="A4", print_background=True,
                      display_header_footer=True, header_template="<span></span>",
                      footer_template='<div style="font-size:8px;width:100%;text-align:center">'
@@ -220,4 +339,6 @@ if __name__ == "__main__":
     layout = print_pdf(args.site, args.output, [s for s in args.only.split(",") if s])
     chapters = sum(entry["level"] == 1 for entry in layout["outline"])
     print(f"wrote {args.output}: {chapters} outline entries at the top level, "
-          f"{layout['loosened']} tall boxes allowed to break across pages")
+          f"{layout['loosened']} tall boxes allowed to break across pages, "
+          f"{sum(layout['solutions'].values())} solutions of {len(layout['solutions'])} "
+          "chapters printed at the end")

@@ -13,8 +13,11 @@ headless chromium, tools/print_pdf.py). PyMuPDF reads it back, and it fails on
   page of a chapter, nor followed by a figure too tall for the room left;
 * a chapter that is not an entry at the top of the PDF's outline (bookmarks), or that does
   not start at the top of a new page;
-* an exercise's hint or solution printed open (they print collapsed, as a reader first sees
-  them; the code cells print open).
+* an exercise's hint or solution printed open in its chapter (they print collapsed, as a
+  reader first sees them; the code cells print open), or a page that holds nothing but
+  closed Hint and Solution bars (they belong on the page of their question);
+* a solution missing from the part "Solutions to the exercises" at the end, which prints
+  every chapter's solutions (a hint is printed nowhere).
 
 The checks are functions of the PDF, and the last tests print a small page through the same
 tools/print_pdf.py with a planted blank code box and a planted half-empty page, and show that
@@ -23,6 +26,7 @@ each is reported.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -31,7 +35,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PDF = ROOT / "_build" / "pdf" / "book.pdf"
+# TFCORE_PDF checks another build of the PDF (tools/print_pdf.py's output) than `make pdf`'s.
+PDF = Path(os.environ.get("TFCORE_PDF", ROOT / "_build" / "pdf" / "book.pdf"))
+SOLUTIONS_TITLE = "Solutions to the exercises"  # tools/print_pdf.py's last part
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$|\\begin\{|\\frac\{|\\mathrm\{|\\sum_")
 # A page whose ink ends above this fraction of the text area is nearly blank (A4, 16 mm
 # margins top and bottom; the page number in the bottom margin does not count).
@@ -207,23 +213,74 @@ def outline_problems(doc, titles: list[str]) -> list[str]:
     return problems
 
 
-def _closed_dropdowns() -> list[tuple[str, str]]:
-    """(page, a fragment of prose at least 30 letters long) of every hint and solution body."""
-    fence = re.compile(r"```\{dropdown\}[^\n]*\n(.*?)\n```", re.DOTALL)
-    found = []
+def _closed_dropdowns(kind: str | None = None) -> list[tuple[str, str]]:
+    """(page, a fragment of prose at least 30 letters long) of every hint and solution body,
+    written in a ```{dropdown} or a :::{dropdown} fence; only those titled `kind` if given.
+    The fragment is the longest that the text outside the dropdowns (of any page) does not
+    hold, so that finding it in the PDF means the dropdown's body was printed."""
+    fence = re.compile(r"^(```|:::)\{dropdown\}[ \t]*([^\n]*)\n(.*?)\n\1[ \t]*$",
+                       re.DOTALL | re.MULTILINE)
+    texts = {}
     for stem in _toc_files():
         notebook = stem.with_suffix(".ipynb")
-        if not notebook.exists():
-            continue
-        text = "\n".join("".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]
-                         if c["cell_type"] == "markdown")
-        for body in fence.findall(text):
+        if notebook.exists():
+            texts[notebook.stem] = "\n".join(
+                "".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]
+                if c["cell_type"] == "markdown")
+    outside = _words("\n".join(fence.sub("", text) for text in texts.values()))
+    found = []
+    for page, text in texts.items():
+        for _, title, body in fence.findall(text):
+            if kind is not None and title.strip() != kind:
+                continue
             prose = re.sub(r"\$\$.*?\$\$|\$[^$]*\$|`[^`]*`|\[[^\]]*\]\([^)]*\)|\{[a-z]+\}", "|", body,
                            flags=re.DOTALL)
-            pieces = [p for p in re.split(r"[|.:;()]", prose) if len(_words(p)) >= 30]
+            pieces = [p for p in re.split(r"[|.:;()]", prose)
+                      if len(_words(p)) >= 30 and _words(p) not in outside]
             if pieces:
-                found.append((notebook.stem, max(pieces, key=lambda p: len(_words(p)))))
+                found.append((page, max(pieces, key=lambda p: len(_words(p)))))
     return found
+
+
+BAR_TITLES = {"Hint", "Solution"}
+
+
+def body_text(page) -> str:
+    """The page's text above the bottom margin (without its page number), one line a line."""
+    bottom = page.rect.height * (1 - MARGIN_FRACTION)
+    return "\n".join(text for text, rect in _page_lines(page) if rect.y1 < bottom)
+
+
+def bar_only_pages(doc) -> list[int]:
+    """1-based pages whose text (the page number in the bottom margin aside) is nothing but
+    closed dropdown bars, Hint and Solution: bars printed away from their question."""
+    found = []
+    for number, page in enumerate(doc):
+        bottom = page.rect.height * (1 - MARGIN_FRACTION)
+        lines = [text for text, rect in _page_lines(page) if rect.y1 < bottom]
+        if lines and all(text in BAR_TITLES for text in lines):
+            found.append(number + 1)
+    return found
+
+
+def solutions_part(doc) -> tuple[int, dict[str, str]]:
+    """The 0-based first page of the part "Solutions to the exercises" (from the outline) and
+    {chapter entry under it: the text of its pages}; (-1, {}) when the outline has no such
+    part."""
+    toc = doc.get_toc()
+    start = next((i for i, (level, title, _) in enumerate(toc)
+                  if level == 1 and _words(title) == _words(SOLUTIONS_TITLE)), None)
+    if start is None:
+        return -1, {}
+    entries = []
+    for level, title, page in toc[start + 1:]:
+        if level == 1:
+            break
+        entries.append((title, page - 1))
+    ends = [page for _, page in entries[1:]] + [doc.page_count - 1]
+    texts = {title: "\n".join(body_text(doc[i]) for i in range(page, end + 1))
+             for (title, page), end in zip(entries, ends)}
+    return toc[start][2] - 1, texts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,13 +362,55 @@ def test_every_chapter_has_a_bookmark_and_starts_a_page(pdf_doc):
     assert not problems, "\n".join(problems)
 
 
-def test_hints_and_solutions_print_closed(pdf_text):
-    bodies = _closed_dropdowns()
-    assert len(bodies) > 20, "too few hint and solution dropdowns found to check"
-    flat = _words(pdf_text)
-    printed = [f"{page}: {fragment.strip()[:70]!r}" for page, fragment in bodies
-               if _words(fragment) in flat]
+def test_hints_and_solutions_print_closed(pdf_doc):
+    # In the chapters, before the part that prints the solutions (which holds nothing else).
+    hints, solutions = _closed_dropdowns("Hint"), _closed_dropdowns("Solution")
+    assert len(hints) > 20 and len(solutions) > 20, "too few dropdowns found to check"
+    first, _ = solutions_part(pdf_doc)
+    assert first > 0, f"no part {SOLUTIONS_TITLE!r} in the outline"
+    chapters = _words("".join(body_text(pdf_doc[i]) for i in range(first)))
+    printed = [f"{kind} of {page}: {fragment.strip()[:70]!r}"
+               for kind, found in (("hint", hints), ("solution", solutions))
+               for page, fragment in found if _words(fragment) in chapters]
     assert not printed, "hints or solutions printed open:\n  " + "\n  ".join(printed)
+
+
+def test_no_page_holds_only_dropdown_bars(pdf_doc):
+    pages = bar_only_pages(pdf_doc)
+    assert not pages, f"pages with nothing but Hint and Solution bars: {pages}"
+
+
+def test_the_solutions_part_prints_every_solution(pdf_doc):
+    first, parts = solutions_part(pdf_doc)
+    assert first > 0, f"no part {SOLUTIONS_TITLE!r} in the outline"
+    titles = dict(zip(map(str, _toc_files()), _titles()))
+    missing = []
+    by_chapter: dict[str, list[str]] = {}
+    for page, fragment in _closed_dropdowns("Solution"):
+        by_chapter.setdefault(page, []).append(fragment)
+    assert len(by_chapter) >= 15, f"solutions found in only {len(by_chapter)} chapters"
+    for stem, fragments in by_chapter.items():
+        title = _words(re.sub(r"\$[^$]*\$", "", titles[str(ROOT / "chapters" / stem)]))
+        text = next((t for entry, t in parts.items() if title and title in _words(entry)), None)
+        if text is None:
+            missing.append(f"{stem}: no entry of its own under {SOLUTIONS_TITLE!r}")
+            continue
+        missing += [f"{stem}: {fragment.strip()[:70]!r}" for fragment in fragments
+                    if _words(fragment) not in _words(text)]
+    assert not missing, f"solutions missing from {SOLUTIONS_TITLE!r}:\n  " + "\n  ".join(missing)
+
+
+def test_the_bar_check_reports_a_planted_page():
+    import pymupdf
+
+    doc = pymupdf.open()
+    for lines in (["3. An exercise's question, on the page of its bars.", "Hint", "Solution"],
+                  ["Hint", "Solution"], ["Solution"], ["The next chapter."]):
+        page = doc.new_page(width=595, height=842)
+        for i, line in enumerate(lines):
+            page.insert_text((72, 100 + 20 * i), line)
+        page.insert_text((290, 830), "7")  # the page number, in the bottom margin
+    assert bar_only_pages(doc) == [2, 3]
 
 
 # ---------------------------------------------------------------------------------------------
