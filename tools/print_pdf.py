@@ -67,6 +67,7 @@ img { max-width: 100% !important; break-inside: avoid; }
 .tfcore-exercise { break-inside: avoid; }
 details.sd-dropdown { break-before: avoid; break-inside: avoid !important; }
 /* The solutions part: each solution's number stays with its first line. */
+#tfcore-solutions > section > h3 { font-size: 1.25rem; margin-top: 1.2em; }
 .tfcore-solution { margin-bottom: 0.8em; }
 .tfcore-solution > .tfcore-solution-label { break-after: avoid; margin-bottom: 0.2em; }
 .bd-header-article, .bd-sidebar-primary, .bd-sidebar-secondary, .headerlink,
