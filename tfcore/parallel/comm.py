@@ -7,6 +7,9 @@ communicator it is handed, and the collectives below are the only places where r
     all_gather(x, axis)      every rank ends with concat_j x_j along axis      x [..., n, ...]
     reduce_scatter(x, axis)  rank r ends with block r (along axis) of sum_j x_j
     broadcast(x, root)       every rank ends with x_root
+    all_to_all(x, a, b)      block j of x along axis a goes to rank j; the arrivals are
+                             concatenated along axis b in rank order
+    all_to_allv(x, s, r)     rows: s[j] to rank j, r[i] from rank i  [sum s, ...] -> [sum r, ...]
     barrier()
     split(color, key)        sub-groups: the ranks that passed the same color (collective)
     subgroup(ranks)          the sub-group of the given ranks (called by its members only)
@@ -25,6 +28,10 @@ code moves the data in the simulation and under MPI and counts what it moves:
   result back to every other rank. reduce_scatter: the same gather, then the root sends
   chunk j to rank j. all_gather: every other rank sends its chunk to the root, which sends
   the whole concatenation to every other rank. broadcast: the root sends to every rank.
+* all_to_all and all_to_allv, under "ring" and "naive" alike: the pairwise exchange (an
+  all-to-all adds nothing up, so nothing is routed through a ring or a root): at step
+  s = 1..N-1 rank r sends its block for rank r+s straight to it and receives rank r-s's;
+  empty blocks are not sent. Their records say ``algorithm="pairwise"``.
 * ``"native"`` (MPI only): MPI's own collectives; their bytes cannot be observed from
   Python, so the records hold the payload only (``measured=False``).
 
@@ -41,7 +48,9 @@ one small MPI_Allgather, and on any difference every rank raises the same ValueE
 names what each side called. The headers are bookkeeping, not the algorithm's traffic: they
 are not counted. The simulation checks the same way (``check_calls=False`` turns it off,
 as ``--no-call-check`` does under MPI); its messages also carry their shapes, and a wait
-that never ends there times out.
+that never ends there times out. all_to_allv's header holds the row shape (the number of
+rows differs from rank to rank), and with check_calls the ranks then exchange their
+(send_counts, recv_counts), uncounted as well, and refuse counts that do not match.
 
 Non-blocking collectives (``iall_reduce``). The call copies its input and returns a
 `Request` at once; the collective runs while the caller computes, and ``wait()`` returns
@@ -84,9 +93,11 @@ OPS = ("sum", "max")
 # A call header: [collective, dtype, ndim, shape (MAX_DIMS values, -1 beyond ndim; the last
 # holds the product of any further axes), detail (op, root, axis or a hash of the bounds)]
 CALLS = ("all_reduce", "reduce_scatter", "reduce_scatter_flat", "all_gather",
-         "all_gather_flat", "broadcast", "barrier", "all_gather_object", "split")
+         "all_gather_flat", "broadcast", "barrier", "all_gather_object", "split",
+         "all_to_all", "all_to_allv")
 _DETAIL = dict(all_reduce="op", reduce_scatter="axis", reduce_scatter_flat="bounds hash",
-               all_gather="axis", all_gather_flat="bounds hash", broadcast="root")
+               all_gather="axis", all_gather_flat="bounds hash", broadcast="root",
+               all_to_all="axes")
 _DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
            "uint8", "bool", "complex128", "complex64")
 MAX_DIMS = 8
@@ -441,6 +452,97 @@ class Communicator:
             self._end()
         return xp.reshape(work, tuple(x.shape))
 
+    # -- all-to-all ----------------------------------------------------------------------------
+    def all_to_all(self, x, split_axis: int = 0, concat_axis: int = 0):
+        """Block j of x along split_axis goes to rank j; the blocks arriving from ranks
+        0..N-1 are concatenated along concat_axis. Every rank passes the same shape, whose
+        size along split_axis is a multiple of N.
+        x [..., n, ...] (n along split_axis) -> [..., N m, ...] (along concat_axis), where
+        the block is x's shape with n / N along split_axis and m its size along concat_axis.
+        Its adjoint is all_to_all(dy, split_axis=concat_axis, concat_axis=split_axis)."""
+        xp = namespace(x)
+        if x.ndim < 1:
+            raise ValueError("all_to_all needs x with at least one axis, got a scalar")
+        split_axis = _axis("split_axis", split_axis, x.ndim)
+        concat_axis = _axis("concat_axis", concat_axis, x.ndim)
+        n = x.shape[split_axis]
+        if n % self.size:
+            raise ValueError(f"all_to_all: x's size {n} along split_axis {split_axis} must be "
+                             f"a multiple of the group size {self.size}")
+        self._agree("all_to_all", x.shape, x.dtype, split_axis * MAX_DIMS + concat_axis)
+        step = n // self.size
+        block = list(x.shape)
+        block[split_axis] = step
+        index = [slice(None)] * x.ndim
+        pieces = []
+        for j in range(self.size):
+            index[split_axis] = slice(j * step, (j + 1) * step)
+            pieces.append(xp.reshape(x[tuple(index)], (-1,)))
+        size = int(np.prod(block))
+        flat = xp.concat(pieces, axis=0) if pieces else xp.reshape(x, (-1,))      # [N size]
+        out = self._all_to_all_flat("all_to_all", xp, flat, [size] * self.size,
+                                    [size] * self.size)
+        got = [xp.reshape(out[i * size:(i + 1) * size], tuple(block))
+               for i in range(self.size)]
+        return xp.concat(got, axis=concat_axis)
+
+    def all_to_allv(self, x, send_counts, recv_counts):
+        """Uneven all-to-all of rows: rows [s_0 + .. + s_{j-1}, s_0 + .. + s_j) of x go to
+        rank j (s = send_counts); what rank i sends arrives as the i-th block of the result
+        (r = recv_counts, r_i rows from rank i). Rank i's send_counts[j] must equal rank j's
+        recv_counts[i]; with check_calls the ranks compare their counts first and every rank
+        raises the same ValueError when they do not match.
+        x [sum(s), ...] -> [sum(r), ...] (the same trailing shape and dtype on every rank).
+        Its adjoint is all_to_allv(dy, recv_counts, send_counts)."""
+        xp = namespace(x)
+        if x.ndim < 1:
+            raise ValueError("all_to_allv needs x with at least one axis (rows), got a scalar")
+        send = _counts("send_counts", send_counts, self.size)
+        recv = _counts("recv_counts", recv_counts, self.size)
+        if sum(send) != x.shape[0]:
+            raise ValueError(f"all_to_allv: send_counts {send} add up to {sum(send)} rows, "
+                             f"but x has {x.shape[0]} rows (shape {tuple(x.shape)})")
+        self._agree("all_to_allv", x.shape[1:], x.dtype, 0)
+        if self.check_calls and self.size > 1:
+            _match_counts(self._exchange_objects((send, recv)), self)
+        row = int(np.prod(x.shape[1:]))
+        flat = xp.reshape(x, (-1,))
+        out = self._all_to_all_flat("all_to_allv", xp, flat, [c * row for c in send],
+                                    [c * row for c in recv])
+        return xp.reshape(out, (sum(recv),) + tuple(x.shape[1:]))
+
+    def _all_to_all_flat(self, what, xp, flat, send, recv):
+        """The pairwise exchange on a flat buffer: send[j] elements (in rank order) to rank
+        j, recv[i] from rank i, concatenated in rank order. At step s = 1..N-1 rank r sends
+        its block for rank r + s and receives the block of rank r - s (mod N), each block
+        straight to its owner, as NCCL and MPI's pairwise algorithm do; an empty block is
+        not sent (both sides know its count). An all-to-all adds nothing up, so there is no
+        ring or root to route it through: 'ring' and 'naive' both run this schedule (its
+        record says 'pairwise')."""
+        n, r = self.size, self.rank
+        offsets = [0]
+        for c in send:
+            offsets.append(offsets[-1] + c)
+        record = self._begin(what, flat.shape[0], _itemsize(flat))
+        try:
+            if self.algorithm == "native" and n > 1:
+                return self._native("all_to_allv", xp, flat, bounds=(send, recv))
+            record.algorithm = "pairwise"
+            blocks = [None] * n
+            blocks[r] = xp.asarray(flat[offsets[r]:offsets[r + 1]], copy=True)
+            for s in range(1, n):
+                dst, src = (r + s) % n, (r - s) % n
+                handle = None
+                if send[dst]:
+                    handle = self.send(dst, flat[offsets[dst]:offsets[dst + 1]])
+                blocks[src] = (self.recv(src, recv[src], flat) if recv[src]
+                               else xp.zeros((0,), dtype=flat.dtype))
+                if handle is not None:
+                    self._wait(handle)
+            return xp.concat(blocks, axis=0) if n > 1 else blocks[0]
+        finally:
+            self._end()
+
     # -- non-blocking ------------------------------------------------------------------------
     def iall_reduce(self, x, op: str = "sum", label: str | None = None) -> "Request":
         """Start all_reduce(x, op) and return at once: request.wait() gives the result.
@@ -660,12 +762,53 @@ def _describe_call(header) -> str:
     label = _DETAIL.get(call)
     if call == "all_reduce":
         detail = OPS[detail]
+    if call == "all_to_all":
+        detail = f"split {detail // MAX_DIMS}, concat {detail % MAX_DIMS}"
+    if call == "all_to_allv":
+        return f"{call}(rows of shape {shape}, {dtype})"
     return f"{call}(shape {shape}, {dtype}, {label} {detail})"
 
 
 def _bounds_code(bounds) -> int:
     """A hash of a chunk layout, so that ranks cutting a buffer differently disagree."""
     return zlib.crc32(repr([(int(a), int(b)) for a, b in bounds]).encode())
+
+
+def _axis(name, axis, ndim) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not (
+            -ndim <= axis < ndim):
+        raise ValueError(f"{name} must be an axis of x (an integer in [-{ndim}, {ndim})), "
+                         f"got {axis!r}")
+    return int(axis) % ndim
+
+
+def _counts(name, counts, size) -> list[int]:
+    """`size` non-negative integers (a sequence or an integer array) as a list of ints, or
+    a ValueError naming the argument."""
+    try:
+        values = (to_numpy(counts).reshape(-1).tolist() if hasattr(counts, "shape")
+                  else list(counts))
+    except TypeError:
+        values = None
+    if values is None or len(values) != size or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0
+            for v in values):
+        raise ValueError(f"{name} must be {size} non-negative integers (one per rank of the "
+                         f"group), got {counts!r}")
+    return [int(v) for v in values]
+
+
+def _match_counts(every, comm) -> None:
+    """every[i] = (send_counts, recv_counts) of group rank i: rank i's send_counts[j] must be
+    rank j's recv_counts[i]; the same ValueError on every rank otherwise."""
+    for i, (send, _) in enumerate(every):
+        for j, (_, recv) in enumerate(every):
+            if send[j] != recv[i]:
+                raise ValueError(
+                    f"all_to_allv counts do not match in group {comm.name!r}: group rank {i} "
+                    f"sends {send[j]} rows to group rank {j}, which expects {recv[i]} rows "
+                    f"from it (send_counts of rank {i}: {send}; recv_counts of rank {j}: "
+                    f"{recv})")
 
 
 def _flat_copy(xp, x):
@@ -939,6 +1082,10 @@ class MPIComm(Communicator):
             counts = [b - a for a, b in bounds]
             out = np.empty(bounds[-1][1], dtype=host.dtype)
             self._comm.Allgatherv(host, [out, counts])
+        elif what == "all_to_allv":
+            send, recv = bounds                  # elements to and from each rank
+            out = np.empty(sum(recv), dtype=host.dtype)
+            self._comm.Alltoallv([host, send], [out, recv])
         else:
             self._comm.Bcast(host, root=root)
             out = host

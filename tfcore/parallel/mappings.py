@@ -12,6 +12,15 @@ rank r holds block r (of the sequence, or of the last axis).
     reduce_scatter_to_sequence_region reduce-scatter along S    all-gather along S
     scatter_to_sequence_region        keep block r along S      all-gather along S
     gather_from_tp_region             all-gather last axis      keep block r (split)
+    all_to_all (axes a -> b)          block j of axis a to j,   all_to_all (axes b -> a)
+                                      concatenated along b
+    all_to_allv (counts s, r)         rows s_j to rank j,       all_to_allv (counts r, s)
+                                      r_i rows from rank i
+
+An all-to-all is a permutation of the rows held over all ranks: its adjoint is its inverse,
+the all-to-all with the transposed count matrix (each rank's send and receive counts
+swapped), or with the split and concatenation axes swapped. The expert-parallel dispatch
+and combine (experts.py) and Ulysses' sequence <-> heads exchange are built on this pair.
 
 Each pair is `*_forward(x, comm) -> (y, cache)` and `*_backward(dy, cache) -> dx`.
 """
@@ -115,3 +124,32 @@ def gather_from_tp_region_backward(dy, cache):
     """The adjoint of an all-gather of replicated blocks is keeping one's own block."""
     _check("dy", dy, cache)
     return _block(dy, cache["comm"], dy.ndim - 1)
+
+
+def all_to_all_forward(x, comm, split_axis: int = 0, concat_axis: int = 0):
+    """Block j along split_axis to rank j, the arrivals concatenated along concat_axis in
+    rank order.  [..., n, ..., m, ...] -> [..., n / N, ..., N m, ...]"""
+    y = comm.all_to_all(x, split_axis, concat_axis)
+    return y, _cache(comm, y, split_axis=split_axis, concat_axis=concat_axis)
+
+
+def all_to_all_backward(dy, cache):
+    """The adjoint: the same exchange with the axes swapped sends every block back."""
+    _check("dy", dy, cache)
+    return cache["comm"].all_to_all(dy, split_axis=cache["concat_axis"],
+                                    concat_axis=cache["split_axis"])
+
+
+def all_to_allv_forward(x, comm, send_counts, recv_counts):
+    """Rows send_counts[j] to rank j, recv_counts[i] rows from rank i (in rank order).
+    [sum(send_counts), ...] -> [sum(recv_counts), ...]"""
+    y = comm.all_to_allv(x, send_counts, recv_counts)
+    return y, _cache(comm, y, send_counts=tuple(int(c) for c in send_counts),
+                     recv_counts=tuple(int(c) for c in recv_counts))
+
+
+def all_to_allv_backward(dy, cache):
+    """The adjoint: every row's gradient goes back to the rank it came from (the counts
+    transposed).  [sum(recv_counts), ...] -> [sum(send_counts), ...]"""
+    _check("dy", dy, cache)
+    return cache["comm"].all_to_allv(dy, cache["recv_counts"], cache["send_counts"])

@@ -269,3 +269,84 @@ def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     out = dict(params=params, grads=grads, optimizer=opt, gathered=gathered)
     return {k: v * itemsize for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# All-to-all (comm.all_to_all and all_to_allv run the pairwise exchange, the same schedule
+# under 'ring' and 'naive': every block goes straight to its owner) and expert parallelism.
+#
+#   S[i][j]  rows rank i sends to rank j (the diagonal stays on its rank), R elements a row
+#   per rank   sent_i = sum_{j != i} S[i][j] R b        received_j = sum_{i != j} S[i][j] R b
+#   total      sum_{i != j} S[i][j] R b                 (the off-diagonal of S)
+# The even all_to_all of M elements a rank (S[i][j] = M / N elements) sends (N-1)/N M b per
+# rank and (N-1) M b in total: half what a ring all-reduce of the same tensor moves.
+#
+# Expert parallelism (parallel/experts.py), one MoE layer on N ranks with N_E experts,
+# E_l = N_E / N on each rank, rank j holding experts j E_l .. (j+1) E_l - 1:
+#   L[i][e]  assignments (token, slot) of rank i's tokens kept by expert e (dropless: all)
+#   S[i][j] = sum over e of rank j of L[i][e]              dispatch rows, R = D
+#   counts   all_gather of every rank's [N_E] int64 load   (N-1) N_E 8 per rank (ring)
+#   dispatch all_to_allv(S)    combine all_to_allv(S^T)    (backward: the same two, swapped)
+#   rows computed by rank j's experts: sum_i S[i][j]   (2 x 2 D F_e FLOPs each, forward,
+#   for a GELU/ReLU expert; 3 matrices for SwiGLU)
+# A skewed router makes one rank receive most of the rows: the busiest rank's received
+# bytes and expert rows, not the mean, set the step's time.
+
+
+def all_to_all_bytes(counts, row_elements: int = 1, itemsize: int = 8) -> dict:
+    """Bytes of one all_to_all(v) with counts[i][j] rows from rank i to rank j, each of
+    row_elements elements of itemsize bytes: {'sent': [per rank], 'received': [per rank],
+    'total': sum over ranks of what they send (= what they receive)}."""
+    S = [[int(c) for c in row] for row in counts]
+    n = len(S)
+    if any(len(row) != n for row in S) or any(c < 0 for row in S for c in row):
+        raise ValueError(f"counts must be a square matrix of non-negative integers, got {S}")
+    f = row_elements * itemsize
+    sent = [sum(S[i][j] for j in range(n) if j != i) * f for i in range(n)]
+    received = [sum(S[i][j] for i in range(n) if i != j) * f for j in range(n)]
+    return dict(sent=sent, received=received, total=sum(sent))
+
+
+def expert_send_counts(load, n_ranks: int) -> list[list[int]]:
+    """S[i][j] = sum over the experts of rank j of load[i][e]: the dispatch's rows from rank
+    i to rank j, for experts sharded contiguously (load [N, N_E], N_E divisible by N)."""
+    L = [[int(c) for c in row] for row in load]
+    n_experts = len(L[0])
+    if len(L) != n_ranks or n_experts % n_ranks:
+        raise ValueError(f"load must be [N, N_E] with N = {n_ranks} rows and N_E divisible "
+                         f"by N, got {len(L)} x {n_experts}")
+    local = n_experts // n_ranks
+    return [[sum(L[i][j * local:(j + 1) * local]) for j in range(n_ranks)]
+            for i in range(n_ranks)]
+
+
+def expert_parallel_bytes(load, n_ranks: int, width: int, itemsize: int = 8,
+                          algorithm: str = "ring") -> dict:
+    """What one MoE layer's forward and backward move under expert parallelism.
+
+    load [N, N_E] the kept assignments of each rank's tokens per expert; width D.
+    Per rank (lists over the EP ranks) and in total (the sums), in bytes:
+      counts    the all_gather of the loads (int64), forward only
+      dispatch  all_to_allv(S) rows of D elements;  combine  all_to_allv(S^T)
+      forward = counts + dispatch + combine;  backward = dispatch + combine (each adjoint is
+      the other direction's all_to_allv);  step = forward + backward
+    and rows[j] = sum_i S[i][j], the rows rank j's experts compute; busiest = the rank with
+    the most rows (ties: the lowest rank), whose bytes are dispatch['received'][busiest].
+    """
+    S = expert_send_counts(load, n_ranks)
+    n_experts = len(load[0])
+    counts = collective_bytes("all_gather", algorithm, n_ranks * n_experts, n_ranks, 8)
+    dispatch = all_to_all_bytes(S, width, itemsize)
+    combine = all_to_all_bytes([list(col) for col in zip(*S)], width, itemsize)
+    out = dict(S=S, counts=counts, dispatch=dispatch, combine=combine)
+    for key in ("sent", "received"):
+        fwd = [a + b + c for a, b, c in zip(counts[key], dispatch[key], combine[key])]
+        bwd = [a + b for a, b in zip(dispatch[key], combine[key])]
+        out.setdefault("forward", {})[key] = fwd
+        out.setdefault("backward", {})[key] = bwd
+        out.setdefault("step", {})[key] = [a + b for a, b in zip(fwd, bwd)]
+    for part in ("forward", "backward", "step"):
+        out[part]["total"] = sum(out[part]["sent"])
+    out["rows"] = [sum(S[i][j] for i in range(n_ranks)) for j in range(n_ranks)]
+    out["busiest"] = max(range(n_ranks), key=lambda j: (out["rows"][j], -j))
+    return out
