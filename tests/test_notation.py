@@ -8,9 +8,10 @@ bare \\ell (it is \\mathcal{L}; \\ell carries a token's subscript), hidden state
 h_t or h^{(l)} (they are X; h is the finite-difference step), the token count written
 N = BS or N_valid (it is T = BS and T_c), and, for the chapters on training at scale, the
 micro-batches counted as K or m (it is n_\\mu; K is the key matrix, m a running maximum), the
-pipeline stages as p (N_P; p is a dropout probability) and the bytes per element as b (f; b
-is a bias). The errata appendix and the page of source notes
-quote the notes in the notes' own notation, so they are not checked.
+pipeline stages as p (N_P; p is a dropout probability), the bytes per element as b (f; b is
+a bias), the row log-sum-exp as \\lambda (lse) and a tile side as \\beta (B_r, B_c). The
+errata appendices and the page of source notes quote the notes and the papers in their own
+notation, so they are not checked.
 """
 from __future__ import annotations
 
@@ -74,6 +75,14 @@ DRIFT = {
     "m for the micro-batches (it is n_\\mu; m is a running maximum)": re.compile(
         r"-\s*1\s*\)\s*/\s*\(?\s*v?\s*(?:\\,\s*)?m(?![A-Za-z_])|N_D\s*m(?![A-Za-z_])"
         r"|\(\s*v\s*(?:\\,\s*)?m\s*\)|,\s*v\s*m\s*\)|(?<![A-Za-z_\\])m\s*B_"),
+    # \lambda_i, \lambda = \log .., e^{.. - \lambda}, (Y, \lambda): a row's log-sum-exp (the
+    # weight decay \lambda is neither subscripted nor an exponent's shift)
+    "\\lambda for the log-sum-exp (it is \\mathrm{lse})": re.compile(
+        r"\\lambda\s*_|\\lambda\s*=\s*\\log|-\s*\\lambda(?![A-Za-z])\s*\}|\(\s*Y\s*,\s*\\lambda\s*\)"),
+    # n_\beta tiles, \beta x \beta tiles, \beta^2 per tile (\beta stays the seconds per byte of
+    # the alpha-beta model and the optimizer's and normalization's parameters)
+    "\\beta for a tile side (they are B_r, B_c)":
+        re.compile(r"n_\{?\\beta|\\beta\s*\\times\s*\\beta|\\beta\s*\^\s*2"),
 }
 MATH = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$", re.S)
 
@@ -172,6 +181,8 @@ PLANTED = [
     r"$2\lceil N/N_D\rceil b$", r"$p = N_P$ stages", r"$(p-1)/m$", r"$\min(p - r, m)$",
     r"$L/p$ blocks", r"$L/(pv)$", r"$pv \mid L$", r"$(N_P-1)/m$", r"$(N_P - 1)/(vm)$",
     r"$B_\mu = B/(N_D m)$", r"$\min(2, vm)$", r"$m B_\mu S D f$",
+    r"$P = e^{Z - \lambda_I}$", r"$\lambda = \log(e^{a} + e^{b})$", r"$(Y, \lambda)$",
+    r"$e^{z - \lambda}$", r"$n_\beta$ tiles", r"$\beta \times \beta$", r"$2\beta^2 D_h$",
 ]
 CLEAN = [
     r"$F = 4D$", r"$N_D$ replicas", r"$N_T$ ranks", r"$\mathcal{L}(\theta)$", r"$\ell_t$",
@@ -186,6 +197,8 @@ CLEAN = [
     r"$2\frac{N_T-1}{N_T}Mf$", r"$\Psi = Nf$", r"$y = x \odot m / (1 - p)$", r"$(p-1)!!$",
     r"$\mathbb E[x^p]$", r"$(N_P - 1)/n_\mu$", r"$(N_P-1)/(v\,n_\mu)$", r"$s = c N_P + r$",
     r"$m_t = \beta_1 m_{t-1}$", r"$m = \max(m_X, m_Y)$", r"$\alpha + Mf/\beta$",
+    r"$\theta_t = (1 - \eta\lambda)\,\theta_{t-1}$", r"$\mathrm{lse}_I$", r"$\beta_2^t$",
+    r"$y = \gamma \odot \hat x + \beta$", r"$n_c(n_c + 1)/2$", r"$2 B_r B_c D_h$",
 ]
 
 
