@@ -7,6 +7,8 @@ interface.
     model       TensorParallelDecoder, sharded by parameter name from a DecoderLM
     optimizer   DataParallelAdamW (replicated or ZeRO-1)
     fsdp        ZeRO-2 and ZeRO-3 (FSDP): units gathered before use and freed, a memory ledger
+    layout      Layout: the degrees and options of a run, and validate(config), the one
+                list of the combinations that do not train (REFUSALS)
     mesh        Mesh: the DP x TP groups (DP x PP x TP with pipeline stages)
     pipeline    stages, micro-batches, schedules as data (GPipe, 1F1B, interleaved), bubble
     context     ring attention over the sequence, ContextParallelDecoder
@@ -25,6 +27,7 @@ from .comm import (  # noqa: F401
     chunk_bounds,
     total_traffic,
 )
+from .layout import REFUSALS, Layout, LayoutError  # noqa: F401
 from .mesh import Mesh  # noqa: F401
 from .model import TensorParallelDecoder  # noqa: F401
 from .optimizer import DataParallelAdamW  # noqa: F401

@@ -16,6 +16,8 @@ still innermost: w = (d * N_P + s) * N_T + t for the stage s in 0..N_P-1, and
 """
 from __future__ import annotations
 
+from .layout import Layout
+
 
 class Mesh:
     def __init__(self, world, tp: int = 1, dp: int | None = None, pp: int = 1):
@@ -43,6 +45,18 @@ class Mesh:
         # the pipeline's group (stages in order) only when there is more than one stage
         self.pp = (world.split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank,
                                name="pp") if pp > 1 else None)
+
+    @classmethod
+    def of(cls, world, layout: Layout, config=None) -> "Mesh":
+        """The mesh of `layout` (dp x pp x tp) on `world`, after layout.validate(config,
+        world=world.size): a refused combination or a wrong world size fails here."""
+        if not isinstance(layout, Layout):
+            raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
+        if layout.cp is not None:
+            raise ValueError("a context-parallel layout has no dp x pp x tp mesh: its group "
+                             "is the world")
+        layout.validate(config, world=world.size)
+        return cls(world, tp=layout.tp, dp=layout.dp, pp=layout.pp or 1)
 
     def __repr__(self):
         if self.pp_size > 1:
