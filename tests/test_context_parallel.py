@@ -221,11 +221,14 @@ def test_bad_input_is_refused():
         SimulatedGroup(2).run(wrong_upstream)
     config = CONFIGS["tiny"]()
     config.dropout = 0.1
-    with pytest.raises(ValueError, match="without dropout"):
+    with pytest.raises(ValueError, match="context parallelism with dropout .cp=1, "
+                                         "dropout=0.1.: the context-parallel decoder runs "
+                                         "without dropout"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
     config = CONFIGS["tiny"]()
     config.recompute = "full"
-    with pytest.raises(ValueError, match="recompute must be 'none', got 'full'"):
+    with pytest.raises(ValueError, match="recomputation in a parallel decoder "
+                                         ".recompute='full'.: .* recompute must be 'none'"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
 
 

@@ -38,8 +38,9 @@ def _assert_refused_in_one_line(args, message, capsys, monkeypatch):
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
     (["--dp", "3", "--batch", "4"], "--batch 4 must be divisible by the data-parallel degree "
                                     "dp=3"),
-    (["--algorithm", "native"], "--algorithm native is MPI's own, not with --simulate; "
-                                "simulate ring or naive"),
+    (["--algorithm", "native"], "--algorithm native --simulate: native collectives in a "
+                                "simulation (algorithm='native', transport='simulated'): "
+                                "native is MPI's own; simulate ring or naive"),
     (["--algorithm", "tree"], "argument --algorithm: invalid choice: 'tree'"),
     (["--tp", "1.5"], "argument --tp: invalid int value: '1.5'"),
     (["--config", "huge"], "argument --config: invalid choice: 'huge'"),
@@ -71,30 +72,42 @@ def _forbid_training(monkeypatch):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--cp", "2", "--tp", "2"], "--cp cannot be combined with --tp 2: the ring splits the "
-                                 "sequence, not the weights; leave --tp out"),
-    (["--cp", "2", "--dp", "2"], "--cp cannot be combined with --dp 2"),
-    (["--cp", "2", "--sp"], "--cp cannot be combined with --sp"),
-    (["--cp", "2", "--zero"], "--cp cannot be combined with --zero 1"),
-    (["--cp", "2", "--dropout", "0.1"], "--cp cannot be combined with --dropout 0.1"),
-    (["--pp", "2", "--sp"], "--pp cannot be combined with --sp"),
-    (["--pp", "2", "--zero", "2"], "--pp cannot be combined with --zero 2: the stages' "
-                                   "optimizer is plain data parallel (ZeRO 0); leave --zero "
-                                   "out"),
-    (["--pp", "2", "--zero", "3"], "--pp cannot be combined with --zero 3"),
-    (["--pp", "2", "--dropout", "0.1"], "--pp cannot be combined with --dropout 0.1"),
-    (["--pp", "2", "--cp", "2"], "--pp and --cp cannot be combined: give one of them"),
-    (["--tp", "2", "--sp", "--zero", "2"], "--sp cannot be combined with --zero 2: sequence "
-                                           "parallelism runs with --zero 0 or 1"),
-    (["--tp", "2", "--sp", "--zero", "3"], "--sp cannot be combined with --zero 3"),
-    (["--schedule", "gpipe"], "--schedule configures the pipeline: give --pp N with it"),
-    (["--virtual", "2"], "--virtual configures the pipeline: give --pp N with it"),
-    (["--cp", "2", "--micro-batches", "2"], "--cp cannot be combined with --micro-batches 2"),
-    (["--cp", "2", "--clip", "1"], "--cp cannot be combined with --clip 1.0"),
-    (["--pp", "2", "--bucket-bytes", "64"], "--pp cannot be combined with --bucket-bytes 64"),
+    (["--cp", "2", "--tp", "2"], "--cp 2 --tp 2: context parallelism with tensor parallelism "
+                                 "(cp=2, tp=2): the ring splits the sequence, not the weights"),
+    (["--cp", "2", "--dp", "2"], "--cp 2 --dp 2: context parallelism with data parallelism "
+                                 "(cp=2, dp=2): every rank holds a piece of each sequence"),
+    (["--cp", "2", "--sp"], "--cp 2 --sp: context parallelism with sequence parallelism"),
+    (["--cp", "2", "--zero"], "--cp 2 --zero 1: context parallelism with ZeRO (cp=2, zero=1)"),
+    (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1: context parallelism with "
+                                        "dropout (cp=2, dropout=0.1)"),
+    (["--pp", "2", "--sp"], "--pp 2 --sp: pipeline with sequence parallelism"),
+    (["--pp", "2", "--zero", "2"], "--pp 2 --zero 2: ZeRO with pipeline parallelism (pp=2, "
+                                   "zero=2): the stages' optimizer is plain data parallel "
+                                   "(ZeRO 0)"),
+    (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO with pipeline parallelism"),
+    (["--pp", "2", "--dropout", "0.1"], "--pp 2 --dropout 0.1: pipeline with dropout"),
+    (["--pp", "2", "--cp", "2"], "--pp 2 --cp 2: pipeline with context parallelism (pp=2, "
+                                 "cp=2): the stages run the tensor-parallel blocks, not the "
+                                 "ring; give one of them"),
+    (["--tp", "2", "--sp", "--zero", "2"], "--zero 2 --sp: ZeRO-2/3 with sequence parallelism "
+                                           "(zero=2, sp=True): sequence parallelism runs with "
+                                           "ZeRO 0 or 1"),
+    (["--tp", "2", "--sp", "--zero", "3"], "--zero 3 --sp: ZeRO-2/3 with sequence parallelism"),
+    (["--schedule", "gpipe"], "--schedule gpipe: pipeline schedule without pipeline "
+                              "parallelism (schedule='gpipe', pp=None): the schedule orders "
+                              "a pipeline's micro-batches; give pp with it"),
+    (["--virtual", "2"], "--virtual 2: virtual stages without pipeline parallelism"),
+    (["--cp", "2", "--micro-batches", "2"], "--cp 2 --micro-batches 2: context parallelism "
+                                            "with gradient accumulation"),
+    (["--cp", "2", "--clip", "1"], "--cp 2 --clip 1.0: context parallelism with clipping"),
+    (["--pp", "2", "--bucket-bytes", "64"], "--pp 2 --bucket-bytes 64: pipeline with "
+                                            "gradient buckets"),
     (["--dp", "2", "--zero", "2", "--micro-batches", "2"],
-     "--zero 2 cannot be combined with --micro-batches 2"),
-    (["--pp", "2", "--virtual", "2"], "--virtual 2 needs --schedule interleaved"),
+     "--zero 2 --micro-batches 2: ZeRO-2/3 with gradient accumulation"),
+    (["--pp", "2", "--virtual", "2", "--schedule", "1f1b"],
+     "--pp 2 --virtual 2 --schedule 1f1b: virtual stages with a one-chunk schedule"),
+    (["--pp", "2", "--virtual", "2"],          # the interleaved schedule by default
+     "--pp 2 --tp 1 --micro-batches 2: n_layers (2) must be divisible by pp x n_virtual"),
     (["--pp", "3"], "--pp 3 --tp 1 --micro-batches 3: n_layers (2) must be divisible by pp x "
                     "n_virtual = 3 x 1 = 3"),
     (["--pp", "2", "--micro-batches", "3"],
@@ -119,6 +132,8 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
     (["--pp", "2", "--tp", "2", "--micro-batches", "4"],
      "world 4 = dp 1 x pp 2 x tp 2, 1f1b m=4 v=1"),
     (["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--layers", "4"],
+     "world 2 = dp 1 x pp 2 x tp 1, interleaved m=2 v=2, 4 layers, ring, config tiny"),
+    (["--pp", "2", "--virtual", "2", "--layers", "4"],
      "world 2 = dp 1 x pp 2 x tp 1, interleaved m=2 v=2, 4 layers, ring, config tiny"),
     (["--cp", "2"], "world 2 = cp 2 (ring attention, balanced chunks)"),
     (["--cp", "2", "--config", "tiny-llama"], "world 2 = cp 2"),

@@ -1,94 +1,112 @@
-"""Every refusal the command line documents (the "Not supported" list of its --help, read
-from the text, not restated here) is refused in the simulation before any work: status 2,
-nothing on stdout, one line `error: ...` on stderr naming both options, no training
-function called; each option alone is accepted, so the refusal is the combination's. And
-the other way round: every pair of options that the validation (parse, check_combination,
-check_layout) refuses is in the documented list."""
+"""Every combination the library does not train is one rule of tfcore.parallel.layout.REFUSALS,
+and the cases here are generated from that list, not restated: for each rule, a smallest
+layout that it refuses (without any one of its fields, it does not) is refused by
+Layout.validate with the rule's one-line message, by the command line before any work
+(status 2, nothing on stdout, one line `error: OPTIONS: MESSAGE` on stderr, no training
+function called), by plan() and, where a builder takes those options, by the builder
+before anything moves. The command line's --help and the README's list of refused
+combinations are generated from the rules (checked here), and every pair of command-line
+options that the validation refuses as a combination is refused by a rule."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 import re
 
 import pytest
 
+from tfcore.models.decoder import DecoderConfig
+from tfcore.parallel import Layout, LayoutError, SimulatedGroup, plan
 from tfcore.parallel import __main__ as cli
 from tfcore.parallel import context, fsdp, pipeline, runner
+from tfcore.parallel.layout import CONFIG_FIELDS, LAYOUT_FIELDS, REFUSALS, readme_list
 
-# A value for each option that the command line accepts when it is given alone.
-EXAMPLES = {"--cp": ["2"], "--pp": ["2"], "--tp": ["2"], "--dp": ["2"], "--sp": [],
-            "--zero": ["1"], "--dropout": ["0.1"], "--micro-batches": ["2"], "--clip": ["1"],
-            "--bucket-bytes": ["1024"], "--schedule": ["gpipe"], "--virtual": ["2"],
-            "--algorithm": ["native"], "--layers": ["4"]}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def documented() -> list[tuple[str, str | None, str, list, list]]:
-    """The "Not supported" list of the module docstring, one line a rule:
-    `SUBJECTS with OPTIONS [without OPTIONS]`, or `SUBJECTS without OPTIONS`. A subject is
-    an option with an optional value spec (`--zero 2 or 3`: the values 2 and 3; `--virtual
-    2 or more`: 2); an option may carry a value (`--schedule interleaved`). -> [(subject,
-    value, kind, [option, value?] it is refused with or without, [context options])]."""
-    text = cli.__doc__.split("Not supported, and refused before any work")[1]
-    body = text.split("\n\n")[0].split("\n", 1)[1]
-    out = []
-    for line in re.sub(r",\n\s+", ", ", body).strip().splitlines():
-        parts = re.split(r" (with|without) ", line.strip())
-        conditions = {kind: [o.split(" ") for o in options.split(", ")]
-                      for kind, options in zip(parts[1::2], parts[2::2])}
-        for subject in parts[0].split(", "):
-            flag, _, spec = subject.partition(" ")
-            for value in spec.replace(" or more", "").split(" or ") if spec else [None]:
-                kind = "without" if "without" in conditions else "with"
-                context = conditions.get("with", []) if kind == "without" else []
-                for other in conditions[kind]:
-                    out.append((flag, value, kind, other, context))
-    return out
+# The values that switch each field on; "absent" is the field's default (None, 1, False).
+VALUES = {"dp": [2], "tp": [2], "pp": [2], "cp": [2], "zero": [1, 2, 3], "sp": [True],
+          "micro_batches": [2], "virtual": [2], "schedule": ["gpipe", "1f1b", "interleaved"],
+          "clip": [1.0], "bucket_bytes": [1024], "algorithm": ["native"],
+          "transport": ["simulated"], "balanced": [False], "dropout": [0.1],
+          "n_kv_heads": [2], "n_heads": [4], "recompute": ["full"]}
+DEFAULT = {f.name: f.default for f in dataclasses.fields(Layout)}
 
 
-RULES = documented()
+def _config(n_layers=4, **changes):
+    base = dict(vocab_size=31, max_seq_len=16, d_model=16, n_layers=n_layers, n_heads=4,
+                d_ff=32, dtype="float64")
+    return DecoderConfig(**{**base, **changes})
 
 
-def _argv(flag, *value):
-    if flag == "--simulate":
-        return []                                   # every run here is simulated
-    return [flag, *(value or EXAMPLES[flag])]
+def _split(values):
+    """{field: value} -> (Layout, config)."""
+    layout = Layout(**{k: v for k, v in values.items() if k in LAYOUT_FIELDS})
+    config = _config(**{k: v for k, v in values.items() if k in CONFIG_FIELDS})
+    return layout, config
 
 
-def _refused(argv, simulate=True):
-    """The UsageError message of parse + check_layout (the simulation's world), or None."""
+def _refused_by(values):
     try:
-        args = cli.parse(["--simulate", *argv] if simulate else argv)
-        cli.check_layout(args, cli.simulated_size(args))
-    except cli.UsageError as err:
-        return str(err)
-    return None
+        layout, config = _split(values)
+    except ValueError:                   # a field out of range, or a config that cannot be
+        return "invalid"
+    rule = layout.refusal(config)
+    return None if rule is None else rule
 
 
-def cases():
-    out = []
-    for flag, value, kind, other, context in RULES:
-        subject = _argv(flag, *([value] if value else []))
-        extra = [a for option in context for a in _argv(*option)]
-        if kind == "with":
-            out.append((subject + _argv(*other), flag, other, kind))
-        else:
-            out.append((subject + extra, flag, other, kind))
-    return out
+def smallest_case(rule):
+    """The first {field: value} over the rule's fields (each on or absent) that this rule,
+    and no earlier one, refuses, and that it no longer refuses without any one of them."""
+    fields = [f for f in rule.fields if f in VALUES]
+    options = [[None] + VALUES[f] for f in fields]        # None: the field's default
+    for combo in itertools.product(*options):
+        values = {f: v for f, v in zip(fields, combo) if v is not None}
+        if _refused_by(values) is not rule:
+            continue
+        if all(_refused_by({g: w for g, w in values.items() if g != f}) is not rule
+               for f in values):
+            return values                 # the smallest: without any field, not this rule
+    raise AssertionError(f"no layout found that only '{rule.name}' refuses")
 
 
-CASES = cases()
+CASES = [(rule, smallest_case(rule)) for rule in REFUSALS]
+IDS = [rule.name for rule in REFUSALS]
 
 
-def test_the_documented_list_was_read():
-    """The reading itself, spot-checked."""
-    pairs = {(s, o[0]) for _, s, o, _ in CASES}
-    assert ("--cp", "--bucket-bytes") in pairs and ("--cp", "--pp") in pairs
-    assert ("--pp", "--dropout") in pairs and ("--bucket-bytes", "--sp") in pairs
-    assert ("--virtual", "--schedule") in pairs and ("--schedule", "--pp") in pairs
-    assert [argv for argv, s, o, _ in CASES if s == "--zero" and o == ["--sp"]] == [
-        ["--zero", "2", "--sp"], ["--zero", "3", "--sp"]]
-    assert (["--virtual", "2", "--pp", "2"], "--virtual", ["--schedule", "interleaved"],
-            "without") in CASES
-    assert len(CASES) >= 20
+def test_the_rules_are_a_list_of_named_predicates():
+    names = [rule.name for rule in REFUSALS]
+    assert len(names) == len(set(names)) >= 20
+    for rule in REFUSALS:
+        assert rule.fields and set(rule.fields) <= set(LAYOUT_FIELDS) | set(CONFIG_FIELDS)
+        assert "\n" not in rule.why and rule.why
+    assert Layout().refusal(_config()) is None            # one device trains
+
+
+@pytest.mark.parametrize("rule,values", CASES, ids=IDS)
+def test_layout_validate_refuses_with_the_rule(rule, values):
+    layout, config = _split(values)
+    with pytest.raises(LayoutError) as caught:
+        layout.validate(config)
+    message = str(caught.value)
+    assert caught.value.rule is rule and message == rule.message(layout, config)
+    assert message.startswith(rule.name + " (") and message.endswith("): " + rule.why)
+    assert "\n" not in message
+    for field in rule.fields:                              # the values that clash are named
+        assert f"{field}=" in message
+
+
+def _argv(values):
+    """The command-line options of `values` (None when one has no option)."""
+    argv = []
+    for field, value in values.items():
+        option = cli.OPTIONS[field]
+        if option is None or option == "--config":
+            return None
+        if field == "transport":
+            continue                                      # every run here is --simulate
+        argv += [option] if value is True else [option, str(value)]
+    return argv
 
 
 def _forbid_training(monkeypatch):
@@ -101,33 +119,172 @@ def _forbid_training(monkeypatch):
         monkeypatch.setattr(module, name, no_training)
 
 
-@pytest.mark.parametrize("argv,subject,other,kind", CASES,
-                         ids=[" ".join(c[0]) + f" ({c[3]} {c[2][0]})" for c in CASES])
-def test_every_documented_refusal(argv, subject, other, kind, capsys, monkeypatch):
-    if kind == "with":           # each alone is accepted: the refusal is the combination's
-        assert _refused(argv[:len(argv) - len(_argv(*other))],
-                        simulate=other[0] != "--simulate") is None
-        assert _refused(_argv(*other)) is None
-    message = _refused(argv)
-    if kind == "without":        # what is missing, given, lifts this refusal
-        assert _refused(argv + _argv(*other)) != message
+def _refused(argv):
+    """The UsageError of parse + check_layout (the simulation's world), or None."""
+    try:
+        args = cli.parse(["--simulate", *argv])
+        cli.check_layout(args, cli.simulated_size(args))
+    except cli.UsageError as err:
+        return err
+    return None
+
+
+CLI_CASES = [(rule, values) for rule, values in CASES if _argv(values) is not None]
+
+
+def test_every_rule_a_command_line_can_reach_is_checked_there():
+    reached = {rule.name for rule, _ in CLI_CASES}
+    unreachable = {rule.name for rule in REFUSALS} - reached
+    # only the rules on the model's own fields: no --config of the command line has them
+    assert unreachable == {"grouped-query attention without context parallelism",
+                           "recomputation in a parallel decoder"}
+
+
+@pytest.mark.parametrize("rule,values", CLI_CASES, ids=[r.name for r, _ in CLI_CASES])
+def test_every_rule_refuses_on_the_command_line(rule, values, capsys, monkeypatch):
+    argv = _argv(values)
+    for field in values:                  # without any one of its options, not this rule
+        rest = _argv({g: w for g, w in values.items() if g != field})
+        if field != "transport":
+            assert getattr(_refused(rest), "rule", None) is not rule, (field, rest)
+    error = _refused(argv)
+    assert error is not None and error.rule is rule
     _forbid_training(monkeypatch)
     assert cli.main(["--simulate", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == f"error: {message}\n"                       # one line
-    assert subject in message and other[0] in message, message
+    layout, config = _split(values)
+    message = rule.message(layout, config)                 # Layout.validate's, unchanged
+    given, _, rest = captured.err.removeprefix("error: ").partition(": ")
+    assert captured.err == f"error: {given}: {message}\n"  # one line
+    assert rest == message + "\n"
+    for option in {cli.OPTIONS[f] for f in values if f != "transport"}:
+        assert option in given.split(), (option, given)
 
 
-def test_every_refused_pair_is_documented():
-    """Each pair of options (example values) that the validation refuses as a combination
-    (alone, each is accepted) is in the documented list."""
-    documented_pairs = {frozenset((s, o[0])) for _, s, o, _ in CASES}
-    missing = []
+@pytest.mark.parametrize("rule,values", CASES, ids=IDS)
+def test_every_rule_refuses_in_plan(rule, values):
+    layout, config = _split(values)
+    with pytest.raises(ValueError) as caught:
+        plan(config, layout, batch=8, seq=8)
+    assert str(caught.value) == rule.message(layout, config)
+
+
+def _builder(layout):
+    """(training function, its keyword arguments, the Layout fields it takes) of the builder
+    that trains `layout`."""
+    config_free = {"dp", "tp"}
+    if layout.cp is not None:
+        return context.train_context_parallel, dict(balanced=layout.balanced), {"cp",
+                                                                                 "balanced"}
+    if layout.pp is not None:
+        kw = dict(pp=layout.pp, n_microbatches=layout.micro_batches, n_virtual=layout.virtual,
+                  schedule=layout.pipeline_schedule, tp=layout.tp, dp=layout.dp,
+                  clip=layout.clip)
+        return pipeline.train_pipeline, kw, config_free | {"pp", "micro_batches", "virtual",
+                                                          "schedule", "clip"}
+    if layout.zero >= 2:
+        return (fsdp.train_sharded, dict(tp=layout.tp, dp=layout.dp, stage=layout.zero,
+                                         clip=layout.clip), config_free | {"zero", "clip"})
+    kw = dict(tp=layout.tp, dp=layout.dp, sequence_parallel=layout.sp, zero=layout.zero == 1,
+              micro_batches=layout.micro_batches, clip=layout.clip,
+              bucket_bytes=layout.bucket_bytes)
+    return runner.train_parallel, kw, config_free | {"sp", "zero", "micro_batches", "clip",
+                                                     "bucket_bytes"}
+
+
+BUILDER_CASES = [(rule, values) for rule, values in CASES
+                 if {f for f in values if f in LAYOUT_FIELDS}
+                 <= _builder(_split(values)[0])[2]]
+
+
+def test_the_builders_take_the_rules_they_can_express():
+    names = {rule.name for rule, _ in BUILDER_CASES}
+    assert {"pipeline with dropout", "context parallelism with dropout",
+            "gradient buckets with ZeRO", "gradient buckets with sequence parallelism",
+            "virtual stages with a one-chunk schedule",
+            "grouped-query attention without context parallelism",
+            "recomputation in a parallel decoder"} <= names
+
+
+@pytest.mark.parametrize("rule,values", BUILDER_CASES, ids=[r.name for r, _ in BUILDER_CASES])
+def test_every_rule_refuses_in_the_builder_before_anything_moves(rule, values):
+    layout, config = _split(values)
+    train, kwargs, _ = _builder(layout)
+    group = SimulatedGroup(layout.world_size)
+    with pytest.raises(ValueError) as caught:
+        group.run(train, config, 1, 8, 8, **kwargs)
+    assert rule.message(layout, config) in str(caught.value)
+    assert all(t.sent == 0 and not t.calls for t in group.traffic)
+
+
+def _unwrap(text, indent):
+    """Lines of a wrapped list (continuations start with `indent`) joined back."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(indent) and out:
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+    return out
+
+
+def test_help_lists_every_rule(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--simulate", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert cli.refusals_text() in text
+    section = text.split("the list is tfcore.parallel.layout.REFUSALS:\n")[1].split("\n\n")[0]
+    lines = [line.strip() for line in _unwrap(section, "        ")]
+    assert len(lines) == len(REFUSALS)
+    for line, rule in zip(lines, REFUSALS):
+        options = " ".join(dict.fromkeys(cli.OPTIONS[f] for f in rule.fields
+                                         if cli.OPTIONS[f]))
+        assert line == f"{rule.name} ({options}): {rule.why}"
+
+
+def test_the_readme_list_is_the_rules():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    block = re.search(r"<!-- refusals: generated from tfcore.parallel.layout.REFUSALS -->\n"
+                      r"(.*?)\n<!-- end of refusals -->", readme, re.S)
+    assert block is not None, "the README has no list of refused combinations"
+    assert block.group(1) == readme_list()
+    items = [line.removeprefix("- ") for line in _unwrap(block.group(1), "  ")]
+    assert items == [f"{rule.name}: {rule.why}" for rule in REFUSALS]
+
+
+# A value for each option that the command line accepts when it is given alone.
+EXAMPLES = {"--cp": ["2"], "--pp": ["2"], "--tp": ["2"], "--dp": ["2"], "--sp": [],
+            "--zero": ["1"], "--dropout": ["0.1"], "--micro-batches": ["2"], "--clip": ["1"],
+            "--bucket-bytes": ["1024"], "--schedule": ["gpipe"], "--virtual": ["2"],
+            "--algorithm": ["native"], "--layers": ["4"]}
+
+def test_every_refused_pair_is_a_rule():
+    """Each pair of options (example values) that the validation refuses, each alone being
+    accepted, is refused by a rule of REFUSALS: no combination is refused anywhere else."""
+    elsewhere = {}
     for a, b in itertools.combinations(EXAMPLES, 2):
-        if _refused(_argv(a)) or _refused(_argv(b)):
+        if _refused([a, *EXAMPLES[a]]) or _refused([b, *EXAMPLES[b]]):
             continue
-        message = _refused(_argv(a) + _argv(b))
-        if message is not None and frozenset((a, b)) not in documented_pairs:
-            missing.append((a, b, message))
-    assert not missing, missing
+        error = _refused([a, *EXAMPLES[a], b, *EXAMPLES[b]])
+        if error is not None and getattr(error, "rule", None) is None:
+            elsewhere[(a, b)] = str(error)
+    assert not elsewhere, elsewhere
+
+
+def test_the_mesh_of_a_layout_is_validated_first():
+    from tfcore.parallel import Mesh
+
+    layout = Layout(dp=2, tp=2)
+    meshes = SimulatedGroup(4).run(lambda world: Mesh.of(world, layout))
+    assert [(m.dp_rank, m.tp_rank) for m in meshes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    group = SimulatedGroup(2)
+    with pytest.raises(ValueError, match=r"the layout dp=2 x tp=2 needs 4 ranks, but the "
+                                         r"world has 2"):
+        group.run(lambda world: Mesh.of(world, layout))
+    refused = Layout(pp=2, zero=1)
+    with pytest.raises(ValueError, match=r"ZeRO with pipeline parallelism \(pp=2, zero=1\)"):
+        group.run(lambda world: Mesh.of(world, refused))
+    assert all(t.sent == 0 and not t.calls for t in group.traffic)

@@ -108,10 +108,12 @@ def test_a_record_that_waits_for_nothing_that_finishes_is_refused():
                                         r"n_microbatches = 1 x 3"),
     (dict(world=2, pp=2, m=3, v=2, schedule="interleaved"),
      r"n_microbatches \(3\) divisible by n_stages \(2\)"),
-    (dict(world=2, pp=2, v=2, schedule="1f1b"), "n_virtual must be 1 for the '1f1b'"),
+    (dict(world=2, pp=2, v=2, schedule="1f1b"), r"virtual stages with a one-chunk schedule "
+                                                r"\(pp=2, virtual=2, schedule='1f1b'\)"),
     (dict(world=2, pp=2, schedule="zigzag"), "schedule must be one of"),
     (dict(world=2, pp=2, m=0), "n_microbatches must be a positive integer, got 0"),
-    (dict(world=2, pp=2, dropout=0.1), r"dropout \(0.1\) must be 0"),
+    (dict(world=2, pp=2, dropout=0.1), r"pipeline with dropout \(pp=2, dropout=0.1\): the "
+                                       r"stages would draw the dropout masks in another order"),
     (dict(world=4, pp=2, tp=2, heads=3), r"n_heads \(3\) must be divisible"),
 ])
 def test_bad_layouts_are_refused_before_any_work(kwargs, match):

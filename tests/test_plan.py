@@ -74,9 +74,11 @@ def test_gpipe_holds_more_caches_than_1f1b_and_interleaving_shrinks_the_bubble()
 
 def test_layouts_not_priced_give_none_not_a_guess():
     config = _config("tiny")
-    for kwargs in (dict(pp=2, tp=2), dict(pp=2, dp=2, zero=1), dict(microbatches=2)):
+    for kwargs in (dict(pp=2, tp=2), dict(microbatches=2)):
         p = plan(config, batch=8, seq=SEQ, **kwargs)
         assert p.memory is None and p.sent is None and p.traffic is None
+    with pytest.raises(ValueError, match=r"ZeRO with pipeline parallelism \(pp=2, zero=1\)"):
+        plan(config, pp=2, dp=2, zero=1, batch=8, seq=SEQ)     # refused: no run trains it
     assert plan(config, pp=2, tp=2, microbatches=2, batch=8,
                 seq=SEQ).peak_caches == [2, 2, 1, 1]
 
@@ -85,7 +87,7 @@ def test_layouts_not_priced_give_none_not_a_guess():
     (dict(pp=2, schedule="pipedream"), "schedule must be one of"),
     (dict(schedule="zb-v"), "schedule must be one of"),
     (dict(pp=2, microbatches=3, virtual=2), "divisible by n_stages"),
-    (dict(pp=2, schedule="gpipe", virtual=2), "n_virtual must be 1"),
+    (dict(pp=2, schedule="gpipe", virtual=2), "virtual stages with a one-chunk schedule"),
     (dict(pp=2, microbatches=0), "microbatches must be a positive integer"),
     (dict(pp=8), "n_layers"),
 ])
@@ -116,7 +118,10 @@ def test_context_parallel_refuses_and_declines():
         plan(config, cp=8, batch=2, seq=SEQ)
     with pytest.raises(ValueError, match="balanced must be True or False"):
         plan(config, cp=2, balanced="yes", batch=2, seq=SEQ)
-    assert plan(config, cp=2, dp=2, batch=2, seq=SEQ).sent is None
+    for kwargs, name in ((dict(dp=2), "data parallelism"), (dict(tp=2), "tensor parallelism"),
+                         (dict(zero=1), "ZeRO"), (dict(microbatches=2), "gradient accumulation")):
+        with pytest.raises(ValueError, match=f"context parallelism with {name} "):
+            plan(config, cp=2, batch=4, seq=SEQ, **kwargs)    # refused: no run trains it
 
 
 # -- every field of the plan, for several layouts, against what the runs hold and send ------------
@@ -285,7 +290,8 @@ def test_context_parallel_plans_grouped_query_attention():
                 seq=SEQ)
     assert p.traffic["cp ring"] < full.traffic["cp ring"]      # fewer K, V heads move
     for kwargs in (dict(dp=2), dict(tp=2), dict(pp=2)):
-        with pytest.raises(ValueError, match=r"n_kv_heads \(2\) must equal n_heads \(4\)"):
+        with pytest.raises(ValueError, match=r"grouped-query attention without context "
+                                             r"parallelism \(n_kv_heads=2, n_heads=4"):
             plan(config, batch=2, seq=SEQ, **kwargs)
 
 

@@ -284,8 +284,11 @@ def test_bucket_bytes_must_be_an_integer(config):
 
 
 def test_buckets_refuse_zero_and_sequence_parallelism(config):
-    for kwargs in (dict(zero=True, dp=2), dict(tp=2, sequence_parallel=True)):
-        with pytest.raises(ValueError, match="bucket_bytes needs zero=False"):
+    for kwargs, match in ((dict(zero=True, dp=2), "gradient buckets with ZeRO"),
+                          (dict(tp=2, sequence_parallel=True),
+                           "gradient buckets with sequence parallelism")):
+        with pytest.raises(ValueError, match=match + ".*: the buckets all-reduce a replicated "
+                           "gradient as the backward goes"):
             SimulatedGroup(2).run(train_parallel, config, 1, 4, 8, bucket_bytes=1024,
                                   **kwargs)
 
@@ -338,6 +341,7 @@ def test_the_command_line_options(capsys):
     for argv, message in ((["--micro-batches", "3"], "--micro-batches 3 must divide"),
                           (["--clip", "nan"], "--clip must be a positive finite"),
                           (["--bucket-bytes", "0"], "--bucket-bytes must be a positive"),
-                          (["--bucket-bytes", "64", "--zero"], "not with --zero")):
+                          (["--bucket-bytes", "64", "--zero"],
+                           "--bucket-bytes 64 --zero 1: gradient buckets with ZeRO")):
         assert main_simulated(["--simulate", "--dp", "2", "--batch", "8", *argv]) == 2
         assert message in capsys.readouterr().err

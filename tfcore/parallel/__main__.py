@@ -29,16 +29,6 @@ The layouts (world size = the product of the degrees; --dp defaults to what is l
         --layers 4 --check
     python -m tfcore.parallel --simulate --cp 4 --check
 
-Not supported, and refused before any work (one line `error: ...` naming both, status 2):
-    --cp with --pp, --tp, --dp, --sp, --zero, --dropout, --micro-batches, --clip,
-        --bucket-bytes
-    --pp with --sp, --zero, --dropout, --bucket-bytes
-    --zero 2 or 3 with --sp, --micro-batches
-    --bucket-bytes with --zero, --sp
-    --schedule, --virtual without --pp
-    --virtual 2 or more with --pp without --schedule interleaved
-    --algorithm native with --simulate
-
 The same rank-local code runs on MPI processes or, with --simulate, on threads of one
 process. Rank 0 prints; --check also trains on one device and exits with status 1 when the
 losses or the parameters differ from it by more than --check-tol (relative); --save writes
@@ -60,6 +50,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import textwrap
 import time
 import traceback
 
@@ -68,6 +59,7 @@ import numpy as np
 from .. import kernels
 from . import context, fsdp, pipeline, runner
 from .comm import SimulatedGroup
+from .layout import REFUSALS, Layout, LayoutError
 from .model import check_layout as check_model_layout
 
 
@@ -81,7 +73,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser(quiet: bool = False) -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m tfcore.parallel", description=__doc__, allow_abbrev=False,
+    ap = _Parser(prog="python -m tfcore.parallel", description=__doc__ + refusals_text(),
+                 allow_abbrev=False,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     if quiet:                            # --help printed by one MPI rank, not by every one
         ap._print_message = lambda message, file=None: None
@@ -94,10 +87,11 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
                     "parameters (FSDP) sharded over dp; a bare --zero means 1 (default 0)")
     ap.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
     ap.add_argument("--schedule", choices=pipeline.SCHEDULES, default=None,
-                    help="pipeline schedule (with --pp; default 1f1b)")
+                    help="pipeline schedule (with --pp; default 1f1b, interleaved with "
+                    "--virtual 2 or more)")
     ap.add_argument("--virtual", type=int, default=None,
-                    help="model chunks per pipeline rank (with --pp and --schedule "
-                    "interleaved; default 1)")
+                    help="model chunks per pipeline rank (with --pp and the interleaved "
+                    "schedule; default 1)")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="micro-batches of each data-parallel replica's rows: with --pp the "
                     "pipeline's (default pp), otherwise gradient accumulation (weights "
@@ -139,12 +133,58 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     return ap
 
 
-def _refuse_combinations(flag: str, rules) -> None:
-    """rules: (bad, what, why) triples; the first bad one is refused as `flag` with `what`."""
-    for bad, what, why in rules:
-        if bad:
-            raise UsageError(f"{flag} cannot be combined with {what}: {why}; leave "
-                             f"{what.split()[0]} out")
+# The command-line option of each field a refusal reads (Layout's, or the model config's).
+OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", zero="--zero", sp="--sp",
+               micro_batches="--micro-batches", virtual="--virtual", schedule="--schedule",
+               balanced=None, clip="--clip", bucket_bytes="--bucket-bytes",
+               algorithm="--algorithm", transport="--simulate", dropout="--dropout",
+               n_kv_heads="--config", n_heads="--config", recompute="--config")
+
+
+def refusals_text() -> str:
+    """The --help section listing Layout's refusals (layout.REFUSALS), one rule a line."""
+    lines = ["", "Not supported, and refused before any work (one line `error: ...` naming the",
+             "options and the reason, status 2); the list is tfcore.parallel.layout.REFUSALS:"]
+    for rule in REFUSALS:
+        options = " ".join(dict.fromkeys(OPTIONS[f] for f in rule.fields if OPTIONS[f]))
+        lines.append(textwrap.fill(f"{rule.name} ({options}): {rule.why}", width=88,
+                                   initial_indent="    ", subsequent_indent="        ",
+                                   break_on_hyphens=False))
+    return "\n".join(lines) + "\n"
+
+
+def layout_of(args, dp: int | None = None) -> Layout:
+    """The Layout of the arguments (dp: the data-parallel degree, when known)."""
+    return Layout(dp=dp or args.dp or 1, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero,
+                  sp=args.sp, micro_batches=microbatches(args) or 1,
+                  virtual=args.virtual or 1, schedule=args.schedule, clip=args.clip,
+                  bucket_bytes=args.bucket_bytes, algorithm=args.algorithm,
+                  transport="simulated" if args.simulate else "mpi")
+
+
+def _given(args, field) -> str | None:
+    """How the option of `field` was given on the command line ('--tp 2', '--sp'), or None."""
+    option = OPTIONS[field]
+    if option == "--config":
+        return f"--config {args.config}"
+    value = {"transport": args.simulate, "micro_batches": args.micro_batches,
+             "dropout": args.dropout or None}.get(field, getattr(args, field, None))
+    if value is None or value is False or (field in ("tp", "zero") and not value):
+        return None
+    return option if value is True else f"{option} {value}"
+
+
+def validate_layout(args, dp: int | None = None, world: int | None = None) -> Layout:
+    """Layout.validate of the arguments; UsageError: the options given, then its message."""
+    layout = layout_of(args, dp)
+    try:
+        return layout.validate(config_of(args), world=world)
+    except LayoutError as err:
+        given = " ".join(dict.fromkeys(g for f in err.rule.fields
+                                       if (g := _given(args, f)) is not None))
+        error = UsageError(f"{given}: {err}" if given else str(err))
+        error.rule = err.rule            # the refusal of layout.REFUSALS it reports
+        raise error from None
 
 
 def parse(argv, quiet: bool = False) -> argparse.Namespace:
@@ -165,8 +205,6 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
     if args.bucket_bytes is not None and args.bucket_bytes < 1:
         raise UsageError(f"--bucket-bytes must be a positive number of bytes, got "
                          f"{args.bucket_bytes}")
-    if args.bucket_bytes is not None and (args.zero or args.sp):
-        raise UsageError("--bucket-bytes needs a replicated gradient: not with --zero or --sp")
     if not args.check_tol >= 0:          # also refuses nan
         raise UsageError(f"--check-tol must be a number >= 0, got {args.check_tol}")
     longest = runner.CONFIGS[args.config]().max_seq_len
@@ -176,9 +214,6 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
     if not 0 <= args.dropout < 1:        # also refuses nan
         raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
     check_combination(args)
-    if args.simulate and args.algorithm == "native":
-        raise UsageError("--algorithm native is MPI's own, not with --simulate; simulate "
-                         "ring or naive")
     if args.save is not None:
         folder = os.path.dirname(os.path.abspath(args.save))
         if os.path.isdir(args.save):
@@ -189,55 +224,14 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
 
 
 def check_combination(args) -> None:
-    """Refuse, naming the arguments, the combinations the library does not train."""
-    given = [flag for flag, value in (("--schedule", args.schedule),
-                                      ("--virtual", args.virtual))
-             if value is not None]
-    if args.pp is None and given:
-        raise UsageError(f"{given[0]} configures the pipeline: give --pp N with it")
+    """The range of each pipeline and ring option, then Layout.validate (the combinations
+    the library does not train, layout.REFUSALS), before any work."""
     for name in ("pp", "cp", "virtual", "micro_batches", "layers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} must be a positive integer, got {value}")
-    if args.pp is not None and args.cp is not None:
-        raise UsageError("--pp and --cp cannot be combined: give one of them")
-    if args.cp is not None:
-        _refuse_combinations("--cp", (
-                (args.tp != 1, f"--tp {args.tp}", "the ring splits the sequence, not the "
-                 "weights"),
-                (args.dp not in (None, 1), f"--dp {args.dp}", "every rank holds a piece of "
-                 "each sequence (the world size is --cp)"),
-                (args.sp, "--sp", "sequence parallelism belongs to tensor parallelism"),
-                (args.zero != 0, f"--zero {args.zero}", "every rank keeps the whole "
-                 "optimizer state"),
-                (args.dropout != 0, f"--dropout {args.dropout}", "the context-parallel "
-                 "decoder runs without dropout"),
-                (args.micro_batches is not None, f"--micro-batches {args.micro_batches}",
-                 "the ring runs each step's batch at once"),
-                (args.clip is not None, f"--clip {args.clip}", "the ring does not clip"),
-                (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
-                 "the ring all-reduces the gradient after the backward")))
-    if args.pp is not None:
-        _refuse_combinations("--pp", (
-                (args.sp, "--sp", "the stages run without sequence parallelism"),
-                (args.zero != 0, f"--zero {args.zero}", "the stages' optimizer is plain "
-                 "data parallel (ZeRO 0)"),
-                (args.dropout != 0, f"--dropout {args.dropout}", "the stages would draw the "
-                 "dropout masks in another order than one device"),
-                (args.bucket_bytes is not None, f"--bucket-bytes {args.bucket_bytes}",
-                 "the stages all-reduce the gradient after the pipeline")))
-        virtual = args.virtual or 1
-        if virtual > 1 and args.schedule != "interleaved":
-            raise UsageError(f"--virtual {virtual} needs --schedule interleaved (gpipe and "
-                             "1f1b run one chunk per rank)")
-    if args.zero >= 2 and args.pp is None and args.micro_batches not in (None, 1):
-        what = f"--micro-batches {args.micro_batches}"
-        raise UsageError(f"--zero {args.zero} cannot be combined with {what}: ZeRO-2/3 "
-                         "train without accumulation; leave --micro-batches out")
-    if args.sp and args.zero >= 2:
-        raise UsageError(f"--sp cannot be combined with --zero {args.zero}: sequence "
-                         "parallelism runs with --zero 0 or 1")
+    validate_layout(args)
 
 
 def argument_values(args) -> list[tuple[str, object]]:
@@ -293,40 +287,47 @@ def check_layout(args, world_size: int) -> int:
             context.ContextLayout(args.seq, args.cp, balanced=True)
         except ValueError as err:
             raise UsageError(f"--cp {args.cp} --seq {args.seq}: {err}") from None
-        return 1
-    if args.pp is not None:
+        dp = 1
+    elif args.pp is not None:
         try:
-            return pipeline.check_pipeline_layout(
+            dp = pipeline.check_pipeline_layout(
                 config, world_size, args.pp, args.tp, args.dp, microbatches(args),
-                args.virtual or 1, args.batch, args.schedule or "1f1b")
+                args.virtual or 1, args.batch, schedule(args))
         except ValueError as err:
             flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
             raise UsageError(f"{flags}: {err}") from None
-    if args.dp is None:
-        if world_size % args.tp:
-            raise UsageError(f"--tp {args.tp}: the world size {world_size} is not a multiple "
-                             f"of tp={args.tp}")
-        dp = world_size // args.tp
     else:
-        dp = args.dp
-        if args.tp * dp != world_size:
-            raise UsageError(f"--tp {args.tp} x --dp {dp} needs {args.tp * dp} ranks, but the "
-                             f"world has {world_size}")
-    if args.batch % dp:
-        raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel "
-                         f"degree dp={dp}")
-    if (args.batch // dp) % (args.micro_batches or 1):
-        raise UsageError(f"--micro-batches {args.micro_batches} must divide the rows of each "
-                         f"data-parallel rank ({args.batch // dp})")
-    try:
-        check_model_layout(config, args.tp, args.seq, args.sp)
-    except ValueError as err:
-        raise UsageError(f"--tp {args.tp}: {err}") from None
+        if args.dp is None:
+            if world_size % args.tp:
+                raise UsageError(f"--tp {args.tp}: the world size {world_size} is not a "
+                                 f"multiple of tp={args.tp}")
+            dp = world_size // args.tp
+        else:
+            dp = args.dp
+            if args.tp * dp != world_size:
+                raise UsageError(f"--tp {args.tp} x --dp {dp} needs {args.tp * dp} ranks, but "
+                                 f"the world has {world_size}")
+        if args.batch % dp:
+            raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel "
+                             f"degree dp={dp}")
+        if (args.batch // dp) % (args.micro_batches or 1):
+            raise UsageError(f"--micro-batches {args.micro_batches} must divide the rows of "
+                             f"each data-parallel rank ({args.batch // dp})")
+        try:
+            check_model_layout(config, args.tp, args.seq, args.sp)
+        except ValueError as err:
+            raise UsageError(f"--tp {args.tp}: {err}") from None
+    validate_layout(args, dp, world_size)            # the combination, with the real dp
     return dp
 
 
 def microbatches(args) -> int:
     return args.micro_batches or args.pp
+
+
+def schedule(args) -> str:
+    """The pipeline's schedule: --schedule, else 1f1b (interleaved with --virtual 2 or more)."""
+    return layout_of(args).pipeline_schedule
 
 
 def compare(out, ref) -> tuple[float, float]:
@@ -345,7 +346,7 @@ def layout_line(args, world_size: int) -> str:
     elif args.pp is not None:
         dp = world_size // (args.pp * args.tp)
         line = (f"world {world_size} = dp {dp} x pp {args.pp} x tp {args.tp}, "
-                f"{args.schedule or '1f1b'} m={microbatches(args)} v={args.virtual or 1}")
+                f"{schedule(args)} m={microbatches(args)} v={args.virtual or 1}")
     else:
         line = (f"world {world_size} = tp {args.tp} x dp {world_size // args.tp}, "
                 f"sp={args.sp}, zero={args.zero}")
@@ -364,7 +365,7 @@ def train(world, args, dp):
         return context.train_context_parallel(*common, balanced=True, seed=args.seed)
     if args.pp is not None:
         return pipeline.train_pipeline(*common, pp=args.pp, n_microbatches=microbatches(args),
-                                       schedule=args.schedule or "1f1b",
+                                       schedule=schedule(args),
                                        n_virtual=args.virtual or 1, tp=args.tp, dp=dp,
                                        seed=args.seed, clip=args.clip)
     if args.zero >= 2:

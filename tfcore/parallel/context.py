@@ -50,6 +50,7 @@ from ..models.blocks import (mlp_sublayer_backward, mlp_sublayer_forward, repeat
                              sum_kv_groups)
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
 from .comm import chunk_bounds
+from .layout import Layout
 from .optimizer import DataParallelAdamW
 
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
@@ -380,16 +381,6 @@ def ring_attention_bytes(layout: ContextLayout, batch: int, heads: int, d_h: int
 # A decoder with context parallelism
 
 
-def check_context_config(config: DecoderConfig) -> None:
-    """Raise ValueError for what the context-parallel decoder does not support."""
-    if config.dropout:
-        raise ValueError(f"the context-parallel decoder runs without dropout, got "
-                         f"dropout={config.dropout}")
-    if config.recompute != "none":
-        raise ValueError(f"the context-parallel decoder keeps its caches: recompute must be "
-                         f"'none', got {config.recompute!r}")
-
-
 class ContextParallelDecoder:
     """Rank-local: every rank holds every parameter and the tokens of its chunks.
 
@@ -402,9 +393,9 @@ class ContextParallelDecoder:
 
     def __init__(self, config: DecoderConfig, cp, balanced: bool = True):
         self.config = config.validate()
-        check_context_config(config)
-        self.cp = cp
         self.balanced = checks.boolean("balanced", balanced)
+        Layout(cp=cp.size, balanced=self.balanced).validate(config)
+        self.cp = cp
         self.spec = config.block_spec()
         self.params = nn.Parameters(config.param_shapes(), config.dtype)
         self._sinusoidal, self._rope = position_tables(config)

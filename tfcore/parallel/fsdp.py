@@ -53,6 +53,7 @@ from ..optim import adamw_update
 from . import layers as L
 from .comm import chunk_bounds
 from .grads import clip_grad_norm, parallel_pieces, tensor_parallel_mask
+from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
 
@@ -238,6 +239,7 @@ class ShardedDecoder(TensorParallelDecoder):
                              f"got {stage!r}")
         if backend.get_backend() != "numpy":
             raise ValueError("ZeRO-2/3 here run on the NumPy backend (host arrays)")
+        Layout(tp=tp.size, dp=dp.size, zero=stage).validate(config)
         # the parent builds this rank's whole buffers once, for their shapes and decay
         # mask; they are dropped at once (stage 2 then holds its own copy of the values)
         super().__init__(config, tp, dp, sequence_parallel=False)

@@ -38,6 +38,7 @@ from ..functional.attention import (
 from ..functional.rope import rope_backward, rope_forward
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, position_tables
 from . import layers as L
+from .layout import Layout
 
 
 def shard_rule(name: str) -> str:
@@ -59,16 +60,10 @@ def shard_rule(name: str) -> str:
 
 def check_layout(config: DecoderConfig, tp: int, seq_len: int | None = None,
                  sequence_parallel: bool = False) -> None:
-    """Raise ValueError, before any work, for a model that cannot be split tp ways."""
+    """Raise ValueError, before any work, for a model that cannot be split tp ways (the
+    sizes; which combinations train is Layout.validate's)."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"the tensor-parallel degree must be a positive integer, got {tp!r}")
-    if config.n_kv_heads != config.n_heads:
-        raise ValueError(f"n_kv_heads ({config.n_kv_heads}) must equal n_heads "
-                         f"({config.n_heads}) here: the tensor-parallel decoder shards one "
-                         f"key/value head per query head, not grouped-query attention")
-    if config.recompute != "none":
-        raise ValueError(f"the tensor-parallel decoder keeps its caches: recompute must be "
-                         f"'none', got {config.recompute!r}")
     if config.n_heads % tp:
         raise ValueError(f"n_heads ({config.n_heads}) must be divisible by the tensor-parallel "
                          f"degree ({tp}): each rank computes whole heads")
@@ -141,6 +136,8 @@ class TensorParallelDecoder:
 
     def __init__(self, config: DecoderConfig, tp, dp=None, sequence_parallel: bool = False):
         self.config = config.validate()
+        Layout(tp=tp.size, dp=1 if dp is None else dp.size,
+               sp=sequence_parallel).validate(config)
         check_layout(config, tp.size, sequence_parallel=sequence_parallel)
         tp.check_same(config_hash(config, tp=tp.size, sp=sequence_parallel),
                       "the model configuration (or the parallel layout)")

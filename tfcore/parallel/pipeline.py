@@ -47,10 +47,9 @@ from .. import functional as F
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
 from . import layers as L
 from .mesh import Mesh
+from .layout import SCHEDULES, Layout
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
 from .optimizer import DataParallelAdamW
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,7 +181,8 @@ def check_pipeline_layout(config: DecoderConfig, world_size: int, pp: int, tp: i
                           dp: int | None = None, n_microbatches: int = 1,
                           n_virtual: int = 1, batch: int | None = None,
                           schedule: str = "1f1b") -> int:
-    """Raise ValueError naming the sizes when the layout does not divide; -> dp."""
+    """Raise ValueError naming the sizes when the layout does not divide, and Layout.validate's
+    refusal of a combination; -> dp."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     for name, value in (("pp", pp), ("tp", tp), ("n_microbatches", n_microbatches),
@@ -201,13 +201,12 @@ def check_pipeline_layout(config: DecoderConfig, world_size: int, pp: int, tp: i
         raise ValueError(f"n_layers ({config.n_layers}) must be divisible by pp x n_virtual "
                          f"= {pp} x {n_virtual} = {pp * n_virtual}: every virtual stage "
                          "holds the same number of blocks")
+    Layout(dp=dp, tp=tp, pp=pp, micro_batches=n_microbatches, virtual=n_virtual,
+           schedule=schedule).validate(config)
     make_schedule(schedule, pp, n_microbatches, n_virtual)        # its own checks
     if batch is not None and batch % (dp * n_microbatches):
         raise ValueError(f"the global batch ({batch}) must be divisible by dp x "
                          f"n_microbatches = {dp} x {n_microbatches} = {dp * n_microbatches}")
-    if config.dropout > 0:
-        raise ValueError(f"dropout ({config.dropout}) must be 0 in the pipeline: the masks "
-                         "would be drawn in another order than on one device")
     check_layout(config, tp)
     return dp
 
@@ -259,6 +258,7 @@ class PipelineStage(TensorParallelDecoder):
     def __init__(self, config: DecoderConfig, tp, n_stages: int, stage: int,
                  n_virtual: int = 1):
         self.config = config.validate()
+        Layout(tp=tp.size, pp=n_stages, virtual=n_virtual).validate(config)
         check_layout(config, tp.size)
         tp.check_same(config_hash(config, tp=tp.size, pp=n_stages, v=n_virtual),
                       "the model configuration (or the parallel layout)")

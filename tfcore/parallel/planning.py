@@ -33,27 +33,26 @@ of the L layers, ring_attention_bytes (the K, V blocks forward; K, V and the dK,
 backward), then all-reduces the loss and the token count (2 elements) and the gradients
 (P elements) over the context group.
 
-Layouts it cannot price give None rather than a guess, and why:
+A layout that Layout.validate refuses (layout.REFUSALS: the one list of the combinations
+that do not train, shared with the command line and the builders) raises its ValueError,
+before any work; plan(config, layout=Layout(...), batch=, seq=) takes the layout as a value.
+Layouts that train but that it cannot price give None rather than a guess, and why:
   activations with tp > 1 or pp > 1     the parallel model's caches have no closed form yet
   pp > 1 with tp > 1                    it runs (train_pipeline, simulated and under MPI),
                                         but the bytes of the tp collectives inside a stage
                                         have no closed form here yet
-  pp > 1 with zero > 0                  no run: the stages' optimizer is plain data parallel
   microbatches > 1 without pp           accumulation runs (train_parallel), but these closed
                                         forms price one pass of the batch per step: the
                                         collectives of each micro-batch are not priced yet
-  cp > 1 with dp, tp, pp or zero        no run combines them (the command line refuses them)
   activations with cp > 1               the ring's caches have no closed form here yet
-The checks of a layout are those of the decoder that trains it: the tensor-parallel
-decoder's (model.check_layout: no grouped-query attention) without cp, the context-parallel
-decoder's (context.check_context_config: grouped-query attention runs) with cp > 1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..models.sizes import decoder_sizes
-from .context import ContextLayout, check_context_config, ring_attention_bytes
+from .context import ContextLayout, ring_attention_bytes
+from .layout import Layout
 from .model import check_layout
 from .pipeline import (
     SCHEDULES,
@@ -101,16 +100,32 @@ def _positive_int(name, value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
-         batch: int, seq: int, microbatches: int = 1, virtual: int = 1, dtype: str = "float64",
-         algorithm: str = "ring", schedule: str | None = None,
-         balanced: bool = True) -> Plan:
+def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: int = 1,
+         cp: int = 1, zero: int = 0, batch: int, seq: int, microbatches: int = 1,
+         virtual: int = 1, dtype: str = "float64", algorithm: str = "ring",
+         schedule: str | None = None, balanced: bool = True) -> Plan:
     """Memory per rank, bytes per rank per step and the bubble of training `config` on a
     dp x tp (x pp) mesh with ZeRO stage `zero`, global batch [batch, seq]; with pp > 1 the
     pipeline runs `schedule` ('gpipe', '1f1b', 'interleaved'; default 1f1b, interleaved when
     virtual > 1) over m = microbatches micro-batches of batch / (dp m) rows; with cp > 1 the
-    sequence is split over cp ranks (balanced: two mirrored chunks each). Raises
-    ValueError for a layout that cannot run, before any work."""
+    sequence is split over cp ranks (balanced: two mirrored chunks each). `layout`: a
+    Layout in place of those keywords (pp and cp None are 1). Raises ValueError for a
+    layout that cannot run (Layout.validate's refusals first), before any work."""
+    if layout is not None:
+        if not isinstance(layout, Layout):
+            raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
+        given = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, microbatches=microbatches,
+                     virtual=virtual, algorithm=algorithm, schedule=schedule,
+                     balanced=balanced)
+        defaults = dict(dp=1, tp=1, pp=1, cp=1, zero=0, microbatches=1, virtual=1,
+                        algorithm="ring", schedule=None, balanced=True)
+        both = [k for k in given if given[k] != defaults[k]]
+        if both:
+            raise ValueError(f"give the layout or {both[0]}=, not both")
+        layout.validate(config)
+        dp, tp, pp, cp, zero = layout.dp, layout.tp, layout.pp or 1, layout.cp or 1, layout.zero
+        microbatches, virtual, schedule = layout.micro_batches, layout.virtual, layout.schedule
+        algorithm, balanced = layout.algorithm, layout.balanced
     for name, value in dict(dp=dp, tp=tp, pp=pp, cp=cp, batch=batch, seq=seq,
                             microbatches=microbatches, virtual=virtual).items():
         _positive_int(name, value)
@@ -120,6 +135,13 @@ def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: in
         raise ValueError(f"dtype must be one of {tuple(ITEMSIZE)}, got {dtype!r}")
     if algorithm not in ("ring", "naive"):
         raise ValueError(f"algorithm must be 'ring' or 'naive', got {algorithm!r}")
+    if not isinstance(balanced, bool):
+        raise ValueError(f"balanced must be True or False, got {balanced!r}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    Layout(dp=dp, tp=tp, pp=pp if pp > 1 else None, cp=cp if cp > 1 else None, zero=zero,
+           micro_batches=microbatches, virtual=virtual, schedule=schedule,
+           balanced=balanced).validate(config)        # the combinations that do not train
     if seq > config.max_seq_len:
         raise ValueError(f"seq ({seq}) exceeds the config's max_seq_len "
                          f"({config.max_seq_len})")
@@ -129,25 +151,17 @@ def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: in
     if (batch // dp) % microbatches:
         raise ValueError(f"the rows per data-parallel rank ({batch // dp}) must be divisible "
                          f"by microbatches ({microbatches})")
-    if virtual > 1 and pp == 1:
-        raise ValueError(f"virtual stages ({virtual}) need pipeline parallelism (pp > 1)")
     if config.n_layers % (pp * virtual):
         raise ValueError(f"n_layers ({config.n_layers}) must be divisible by pp x virtual "
                          f"({pp} x {virtual}): every stage holds whole blocks")
-    if not isinstance(balanced, bool):
-        raise ValueError(f"balanced must be True or False, got {balanced!r}")
     if cp > 1:
         ContextLayout(seq, cp, balanced)          # its own checks: a position per chunk
-    if schedule is not None and schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule is None:
         schedule = "interleaved" if virtual > 1 else "1f1b"
     if pp > 1:
         make_schedule(schedule, pp, microbatches, virtual)    # its own checks (p | m, v)
-    if cp > 1:
-        check_context_config(config)              # the ring trains grouped-query attention
-    else:
-        check_layout(config, tp)
+    if cp == 1:
+        check_layout(config, tp)                  # heads, d_ff, d_model, V split tp ways
 
     layout = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, batch=batch, seq=seq,
                   microbatches=microbatches, virtual=virtual, dtype=dtype)
@@ -157,13 +171,11 @@ def plan(config, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: in
     f = ITEMSIZE[dtype]
     if cp > 1:
         layout["balanced"] = balanced
-        if dp > 1 or tp > 1 or pp > 1 or zero > 0 or microbatches > 1:
-            return Plan(layout, None, None, None, None, None, bubble)
         return _context_plan(config, layout, cp, balanced, batch, seq, f, algorithm, bubble)
     if pp > 1:
         peak = [peak_stored_microbatches(schedule, pp, s, microbatches, virtual)
                 for d in range(dp) for s in range(pp) for t in range(tp)]
-        if tp > 1 or zero > 0:
+        if tp > 1:
             return Plan(layout, None, None, None, None, None, bubble, peak)
         return _pipeline_plan(config, layout, dp, pp, virtual, microbatches, batch, seq, f,
                               algorithm, bubble, peak)

@@ -22,6 +22,7 @@ from .grads import (
     split_micro_batches,
     tensor_parallel_mask,
 )
+from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
 from .optimizer import DataParallelAdamW
@@ -151,9 +152,8 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     backward (overlap=True) or after it (overlap=False).
     exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
     K, max_norm = _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=True)
-    if bucket_bytes is not None and (zero or (sequence_parallel and tp > 1)):
-        raise ValueError("bucket_bytes needs zero=False and sequence_parallel=False: the "
-                         "buckets all-reduce a replicated gradient as the backward goes")
+    Layout(tp=tp, dp=dp or 1, sp=sequence_parallel, zero=1 if zero else 0, micro_batches=K,
+           clip=max_norm, bucket_bytes=bucket_bytes).validate(config)
     hyper = dict(HYPER, **(hyper or {}))
     mesh = Mesh(world, tp, dp)
     if batch % mesh.dp_size:
