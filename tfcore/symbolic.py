@@ -6,6 +6,7 @@
 3. `assert_equal` checks that a derived closed form minus that truth simplifies to zero.
 4. `lambdify` turns the closed form into a NumPy function to compare with tfcore.
 
+`softmax`, `sigmoid` and `topk_gates` build the router of a mixture of experts on symbols;
 `show` typesets a result in a notebook.
 """
 from __future__ import annotations
@@ -76,6 +77,25 @@ def lambdify(args: list[sp.Matrix], expr: sp.Matrix, cse: bool = False):
         return np.asarray(fn(*[np.asarray(arr, dtype=np.float64) for arr in arrays]), dtype=np.float64).reshape(shape)
 
     return evaluate
+
+
+def softmax(z: sp.Matrix) -> sp.Matrix:
+    """softmax of a 1 x n row of expressions: exp(z_j) / sum_i exp(z_i), entry by entry."""
+    e = z.applyfunc(sp.exp)
+    return e / sum(e)
+
+
+def sigmoid(z: sp.Matrix) -> sp.Matrix:
+    """1 / (1 + exp(-z_j)), entry by entry."""
+    return z.applyfunc(lambda v: 1 / (1 + sp.exp(-v)))
+
+
+def topk_gates(scores: sp.Matrix, selected: list[int], normalize: bool) -> sp.Matrix:
+    """The 1 x K gates of a router for a fixed selection (the experts `selected`, best first):
+    scores[e_k], divided by their sum when `normalize` (the selection is a constant: the
+    proof of the router's backward holds for each selection, which is piecewise constant)."""
+    gates = sp.Matrix(1, len(selected), lambda _, k: scores[selected[k]])
+    return gates / sum(gates) if normalize else gates
 
 
 def show(lhs: str, expr) -> None:
