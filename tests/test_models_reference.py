@@ -315,6 +315,9 @@ def test_the_reference_is_not_blind():
 #   "same":      attention, attention_block_size, recompute: documented to compute the same
 #                function another way (tiled, recomputed): the logits equal the base's to
 #                round-off
+#   "moe":       the mixture-of-experts fields (tests/test_moe.py compares MoE models with a
+#                reference of their own): the parameters' shapes change, or on the same
+#                parameters the loss does
 
 FIELD_ROWS = {
     "vocab_size": ({}, 17, "shapes"),
@@ -340,6 +343,17 @@ FIELD_ROWS = {
     "attention": ({}, "tiled", "same"),
     "attention_block_size": ({"attention": "tiled"}, 3, "same"),
     "recompute": ({}, "full", "same"),
+    "n_experts": ({}, 4, "moe"),
+    "top_k": ({"n_experts": 4}, 1, "moe"),
+    "moe_every": ({"n_experts": 4}, 2, "moe"),
+    "router": ({"n_experts": 4}, "sigmoid", "moe"),
+    "renormalize": ({"n_experts": 4}, True, "moe"),
+    "n_shared_experts": ({"n_experts": 4}, 1, "moe"),
+    "capacity_factor": ({"n_experts": 4}, 0.5, "moe"),
+    "aux_loss_coef": ({"n_experts": 4}, 0.5, "moe"),
+    "z_loss_coef": ({"n_experts": 4}, 0.5, "moe"),
+    "aux_loss": ({"n_experts": 4}, "sequence", "moe"),
+    "d_expert": ({"n_experts": 4}, 6, "moe"),
 }
 
 
@@ -360,10 +374,14 @@ def test_each_field_changes_what_it_should(field):
     same_shapes = cfg.param_shapes() == base_cfg.param_shapes()
     if effect == "shapes":
         assert not same_shapes
-    if effect in ("forward", "eval-only", "init", "dtype", "length", "same") and same_shapes:
+    if effect in ("forward", "eval-only", "init", "dtype", "length", "same", "moe") and same_shapes:
         model.params.load_flat(np.array(to_numpy(base.params.data), dtype=cfg.dtype))
     logits = to_numpy(model.forward(x)[0])
-    if effect in ("forward", "shapes"):
+    if effect == "moe":
+        targets = asarray(_data(base_cfg)[1], "int64")
+        loss, base_loss = float(model.forward(x, targets)[1]), float(base.forward(x, targets)[1])
+        assert not same_shapes or abs(loss - base_loss) > 1e-6
+    elif effect in ("forward", "shapes"):
         ref, _ = reference_forward(cfg, _host_params(model), ids)
         assert _relative(logits, ref) < TOL
         if logits.shape == base_logits.shape:

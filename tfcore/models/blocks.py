@@ -20,6 +20,8 @@ Parameter names under the block's prefix ``h{i}``: ``ln1.g`` ``ln1.b``
 and [3D] when H_kv = H) ``attn.proj.W`` [D, D] ``attn.proj.b`` [D] ``ln2.g`` ``ln2.b``
 ``mlp.fc.W`` [D, F] ``mlp.fc.b`` [F] (SwiGLU: also ``mlp.gate.W`` [D, F] ``mlp.gate.b`` [F])
 ``mlp.proj.W`` [F, D] ``mlp.proj.b`` [D]; ``.b`` only with biases, ``ln*.b`` only for LayerNorm.
+A block whose spec has ``moe`` set has a mixture of experts in place of the MLP, with its
+parameters under ``h{i}.moe`` (models/moe.py lists them); its output's dropout is the same draw.
 
 Dropout (training, p > 0) draws from the one generator `rng` in the order the block runs:
 the attention probabilities (one uniform [B, H, S, S_k] draw; the tiled op draws one seed
@@ -48,6 +50,7 @@ from ..functional.attention import (
 )
 from ..functional.rope import rope_backward, rope_forward
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
+from .moe import MoESpec, moe_param_shapes, moe_sublayer_backward, moe_sublayer_forward
 
 MLPS = ("gelu", "relu", "swiglu")
 PLACEMENTS = ("pre", "post")
@@ -74,6 +77,7 @@ class BlockSpec:
     attention_block_size: int = 64   # the tile's side when attention == "tiled"
     n_kv_heads: int | None = None    # key/value heads (GQA, chapter 16); None: n_heads
     recompute_attention: bool = False  # drop A [B, H, S, S] and rebuild it (chapter 17)
+    moe: MoESpec | None = None       # a mixture of experts in place of the MLP (models/moe.py)
 
 
 def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
@@ -96,6 +100,9 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
     linear("attn.qkv", D, D + 2 * kv_width)
     linear("attn.proj", D, D)
     norm("ln2")
+    if spec.moe is not None:
+        shapes.update(moe_param_shapes(f"{prefix}.moe", spec, spec.moe))
+        return shapes
     linear("mlp.fc", D, F_)
     if spec.mlp == "swiglu":
         linear("mlp.gate", D, F_)
@@ -376,6 +383,21 @@ def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     return nn.linear_backward(params, prefix + ".fc", dup, c_fc)        # [B, S, D]
 
 
+def _ffn_forward(params, prefix, x, spec, *, rng=None, training=False):
+    """The block's feed-forward sublayer: the MLP (prefix.mlp), or the mixture of experts
+    (prefix.moe) when spec.moe is set. x [B, S, D] -> out [B, S, D]."""
+    if spec.moe is not None:
+        return moe_sublayer_forward(params, prefix + ".moe", x, spec, rng=rng,
+                                    training=training)
+    return mlp_sublayer_forward(params, prefix + ".mlp", x, spec, rng=rng, training=training)
+
+
+def _ffn_backward(params, prefix, dout, cache, spec):
+    if spec.moe is not None:
+        return moe_sublayer_backward(params, prefix + ".moe", dout, cache, spec)
+    return mlp_sublayer_backward(params, prefix + ".mlp", dout, cache, spec)
+
+
 # ---------------------------------------------------------------------------------------
 # The block
 
@@ -389,15 +411,13 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
         x1 = _add(x, a) if spec.residual else a                 # x + attn(norm1(x))
         h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
-        m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", h, spec, rng=rng,
-                                        training=training)
+        m, c_mlp = _ffn_forward(params, prefix, h, spec, rng=rng, training=training)
         y = _add(x1, m) if spec.residual else m                # x1 + mlp(norm2(x1))
     else:
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
         s1 = _add(x, a) if spec.residual else a                 # x + attn(x)
         x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
-        m, c_mlp = mlp_sublayer_forward(params, prefix + ".mlp", x1, spec, rng=rng,
-                                        training=training)
+        m, c_mlp = _ffn_forward(params, prefix, x1, spec, rng=rng, training=training)
         s2 = _add(x1, m) if spec.residual else m                # x1 + mlp(x1)
         y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
     return y, (c_ln1, c_attn, c_ln2, c_mlp)
@@ -425,7 +445,7 @@ def block_backward(params, prefix, dy, cache, spec):
     del cache
     if spec.placement == "pre":
         dx1, dm = _split_grad(dy)                                     # y = x1 + m
-        dh = mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec)
+        dh = _ffn_backward(params, prefix, dm, take(caches, 3), spec)
         dx1 = _sum(dx1, nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2),
                                          spec.norm))
         del dh
@@ -435,7 +455,7 @@ def block_backward(params, prefix, dy, cache, spec):
                                          spec.norm))
     ds2 = nn.norm_backward(params, prefix + ".ln2", dy, take(caches, 2), spec.norm)  # norm2(s2)
     dx1, dm = _split_grad(ds2)                                        # s2 = x1 + m
-    dx1 = _sum(dx1, mlp_sublayer_backward(params, prefix + ".mlp", dm, take(caches, 3), spec))
+    dx1 = _sum(dx1, _ffn_backward(params, prefix, dm, take(caches, 3), spec))
     ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, take(caches, 0), spec.norm)  # norm1(s1)
     dx, da = _split_grad(ds1)                                         # s1 = x + a
     return _sum(dx, attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1),
@@ -446,11 +466,11 @@ def _block_backward_without_skips(params, prefix, dy, cache, spec):
     """The same chain with the two skips removed: nothing is added back."""
     c_ln1, c_attn, c_ln2, c_mlp = cache
     if spec.placement == "pre":
-        dh = mlp_sublayer_backward(params, prefix + ".mlp", dy, c_mlp, spec)
+        dh = _ffn_backward(params, prefix, dy, c_mlp, spec)
         dx1 = nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
         dh = attention_sublayer_backward(params, prefix + ".attn", dx1, c_attn, spec)
         return nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
     dm = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)
-    dx1 = mlp_sublayer_backward(params, prefix + ".mlp", dm, c_mlp, spec)
+    dx1 = _ffn_backward(params, prefix, dm, c_mlp, spec)
     da = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)
     return attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)

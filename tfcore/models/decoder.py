@@ -16,10 +16,16 @@ contributions: the scatter-add of the lookup and the head's x^T dlogits, transpo
 Generation (`generate`) samples greedily (temperature 0), with a temperature, top-k and
 top-p, from a seeded host generator, and by default reuses keys and values through a
 KV cache (`KVCache`); its logits equal the uncached forward's.
+
+Mixture of experts (n_experts > 0): every `moe_every`-th block (h{moe_every - 1},
+h{2 moe_every - 1}, ...) has a mixture of experts in place of its MLP (models/moe.py,
+tfcore/functional/moe.py). The loss is then the cross-entropy plus, for each MoE block,
+aux_loss_coef times its balancing loss and z_loss_coef times its router z-loss; the backward
+differentiates that sum.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -30,9 +36,11 @@ from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
 from .blocks import replayable, take
+from .moe import BALANCES, MoESpec
 from .common import check_float_settings
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
+ROUTERS = ("softmax", "sigmoid")
 # what the forward keeps of each block for the backward (chapter 17): "none" recomputes
 # nothing (every cache kept), "full" keeps only the block's input and runs the block's forward
 # again in the backward, "selective" keeps all but attention's [B, H, S, S] tensors and
@@ -55,6 +63,16 @@ class DecoderConfig:
     head_bias=None means: a bias on the head when it is untied and bias=True (a tied head
     with a bias, as seed 003 draws it, is head_bias=True). `gelu_approximate` is "tanh"
     (GPT-2) or "none" (exact erf).
+
+    Mixture of experts: n_experts = 0 is a dense model (the MoE fields are then unused);
+    n_experts > 0 routes each token to top_k of them in every moe_every-th block, with the
+    router 'softmax' (Switch, Mixtral) or 'sigmoid' (DeepSeek-V3, with a selection bias that
+    `DecoderLM.update_expert_bias` moves); renormalize the K gates or not (None: the router's
+    custom, yes for sigmoid, no for softmax); n_shared_experts always-active experts;
+    capacity_factor c (each expert takes ceil(c T K / N_E) of the T tokens of a forward) or
+    None (dropless); aux_loss_coef alpha of the balancing loss, over the micro-batch
+    (aux_loss='batch', Switch) or per sequence ('sequence', DeepSeek); z_loss_coef beta of the
+    router z-loss; d_expert each expert's hidden width (None: d_ff).
     """
 
     vocab_size: int
@@ -80,6 +98,17 @@ class DecoderConfig:
     attention_block_size: int = 64
     n_kv_heads: int | None = None    # key/value heads (grouped-query attention); None: n_heads
     recompute: str = "none"          # "full" | "selective": activation recomputation
+    n_experts: int = 0               # routed experts; 0: dense (no mixture of experts)
+    top_k: int = 2                   # experts per token
+    moe_every: int = 1               # blocks h{k-1}, h{2k-1}, ... are MoE
+    router: str = "softmax"          # "softmax" | "sigmoid"
+    renormalize: bool | None = None  # renormalise the K gates (None: sigmoid yes, softmax no)
+    n_shared_experts: int = 0        # always-active experts, added
+    capacity_factor: float | None = None   # None: dropless
+    aux_loss_coef: float = 0.01      # alpha of the balancing loss
+    z_loss_coef: float = 0.0         # beta of the router z-loss
+    aux_loss: str = "batch"          # "batch" (Switch/GShard) | "sequence" (DeepSeek)
+    d_expert: int | None = None      # an expert's hidden width; None: d_ff
 
     def __post_init__(self):
         if self.d_ff is None and isinstance(self.d_model, int):
@@ -93,6 +122,10 @@ class DecoderConfig:
     def _check_floats(self):
         check_float_settings(self, positive=("eps", "rope_base", "init_std"),
                              probabilities=("dropout",))
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            checks.nonnegative(name, getattr(self, name))
+        if self.capacity_factor is not None:
+            checks.positive("capacity_factor", self.capacity_factor)
 
     @classmethod
     def llama(cls, vocab_size: int, max_seq_len: int, d_model: int, n_layers: int, n_heads: int,
@@ -154,8 +187,67 @@ class DecoderConfig:
             raise ValueError(
                 f"rotary positions rotate pairs of columns, so the head dimension d_model / "
                 f"n_heads must be even, got {self.head_dim}")
+        self._check_moe()
         self._check_floats()           # again: a field may have been set since
         return self
+
+    def _check_moe(self):
+        """The mixture-of-experts fields: ValueError naming the first that does not fit."""
+        def count(name, least):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))
+                    or value < least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+            return int(value)
+
+        n_experts = count("n_experts", 0)
+        count("top_k", 1)
+        count("moe_every", 1)
+        count("n_shared_experts", 0)
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.aux_loss not in BALANCES:
+            raise ValueError(f"aux_loss must be one of {BALANCES}, got {self.aux_loss!r}")
+        if self.renormalize is not None and not isinstance(self.renormalize, (bool, np.bool_)):
+            raise ValueError(f"renormalize must be True, False or None, got {self.renormalize!r}")
+        if self.d_expert is not None:
+            count("d_expert", 1)
+        if n_experts == 0:
+            if self.n_shared_experts:
+                raise ValueError(
+                    f"n_shared_experts = {self.n_shared_experts} needs routed experts: set "
+                    "n_experts >= 1 (n_experts = 0 is a dense model)")
+            return
+        if self.top_k > n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be at most n_experts ({n_experts}): "
+                             "each token picks top_k distinct experts")
+        if self.moe_every > self.n_layers:
+            raise ValueError(f"moe_every ({self.moe_every}) must be at most n_layers "
+                             f"({self.n_layers}), or no block would be a mixture of experts")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Block h{i} has a mixture of experts in place of its MLP."""
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def moe_spec(self) -> MoESpec | None:
+        """The MoE sublayer's settings (None for a dense model)."""
+        if not self.n_experts:
+            return None
+        return MoESpec(n_experts=self.n_experts, top_k=self.top_k,
+                       d_expert=self.d_expert or self.d_ff, router=self.router,
+                       normalize=self.renormalize, n_shared=self.n_shared_experts,
+                       capacity_factor=self.capacity_factor,
+                       aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
+                       balance=self.aux_loss)
+
+    def layer_spec(self, i: int) -> BlockSpec:
+        """Block h{i}'s spec: block_spec(), with the MoE settings where h{i} is MoE."""
+        spec = self.block_spec()
+        return replace(spec, moe=self.moe_spec()) if self.is_moe_layer(i) else spec
 
     def block_spec(self) -> BlockSpec:
         return BlockSpec(d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
@@ -172,9 +264,8 @@ class DecoderConfig:
         shapes: dict[str, tuple[int, ...]] = {"wte": (V, D)}
         if self.position == "learned":
             shapes["wpe"] = (self.max_seq_len, D)
-        spec = self.block_spec()
         for i in range(self.n_layers):
-            shapes.update(block_param_shapes(f"h{i}", spec))
+            shapes.update(block_param_shapes(f"h{i}", self.layer_spec(i)))
         if self.norm_placement == "pre":
             shapes["lnf.g"] = (D,)
             if self.norm == "layernorm":
@@ -261,14 +352,46 @@ class DecoderLM:
         self.config = config.validate()
         self.params = nn.Parameters(config.param_shapes(), config.dtype)
         self.spec = config.block_spec()
+        self._moe_block = (None, None)      # (the spec it was made from, the MoE block spec)
         self._sinusoidal, self._rope = position_tables(config)
         self._cache = None
+        # after each forward of an MoE model: {layer: routing statistics} (see moe_stats)
+        self.moe_stats: dict[int, dict] = {}
 
     # -- parameters --------------------------------------------------------------------
     def init(self, seed: int = 0) -> "DecoderLM":
-        """GPT-2's initialisation (N(0, init_std^2), residual projections / sqrt(2 L)), seeded."""
-        nn.gpt2_init(self.params, seed, self.config.n_layers, self.config.init_std)
+        """GPT-2's initialisation (N(0, init_std^2), residual projections / sqrt(2 L)), seeded.
+
+        The experts' and shared experts' output projections count as residual projections;
+        the selection bias starts at 0."""
+        nn.gpt2_init(self.params, seed, self.config.n_layers, self.config.init_std,
+                     residual_suffixes=(".attn.proj.W", ".mlp.proj.W", ".experts.proj.W",
+                                        ".shared.proj.W"))
         return self
+
+    def layer_spec(self, i: int):
+        """Block h{i}'s spec: self.spec, with the MoE settings where h{i} is an MoE block
+        (made from the current self.spec, so an edit of self.spec reaches every block)."""
+        if not self.config.is_moe_layer(i):
+            return self.spec
+        made_from, spec = self._moe_block
+        if made_from is not self.spec:
+            spec = replace(self.spec, moe=self.config.moe_spec())
+            self._moe_block = (self.spec, spec)
+        return spec
+
+    def update_expert_bias(self, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: after a forward, move each sigmoid
+        router's selection bias by rate * sign(mean load - load_i) (the loads of that
+        forward), in place. No gradient is involved."""
+        if self.config.router != "sigmoid" or not self.config.n_experts:
+            raise ValueError("update_expert_bias needs router='sigmoid' and n_experts > 0: "
+                             "only the sigmoid router has a selection bias")
+        if not self.moe_stats:
+            raise RuntimeError("update_expert_bias needs a forward first (it uses its loads)")
+        for i, stats in self.moe_stats.items():
+            bias = self.params[f"h{i}.moe.select.b"]
+            bias[...] = F.expert_bias_update(bias, stats["load"], rate)
 
     def num_parameters(self) -> int:
         return self.params.size
@@ -319,7 +442,8 @@ class DecoderLM:
         """ids [B, S] integers in [0, V) -> (logits [B, S, V], loss).
 
         targets [B, S] integers (or -100 to skip a position); loss is the mean cross-entropy
-        over the counted positions as a 0-d array, or None without targets. training=True
+        over the counted positions as a 0-d array (plus the MoE blocks' auxiliary losses,
+        moe_stats[i]["aux_loss"]), or None without targets. training=True
         turns dropout on, which needs `rng` (tfcore.backend.default_rng(seed)). The caches
         for backward() are kept until it runs.
         """
@@ -334,10 +458,17 @@ class DecoderLM:
         x, c_embed = self._embed(ids, rng, training)                      # [B, S, D]
         rope = self._rope_slice(0, seq)
         c_blocks = []
+        aux = None
+        self.moe_stats = {}
         for i in range(cfg.n_layers):
             x_in, replay = x, (replayable(rng) if cfg.recompute == "full" else None)
-            x, c = block_forward(self.params, f"h{i}", x, self.spec, rope=rope, rng=rng,
+            x, c = block_forward(self.params, f"h{i}", x, self.layer_spec(i), rope=rope, rng=rng,
                                  training=training)                       # [B, S, D]
+            if self.layer_spec(i).moe is not None:
+                m = c[3]                                                  # the MoECache
+                aux = m.aux_loss if aux is None else aux + m.aux_loss
+                self.moe_stats[i] = dict(load=m.plan.load, kept_load=m.plan.kept_load,
+                                         capacity=m.plan.capacity, aux_loss=m.aux_loss)
             if cfg.recompute == "full":      # the backward runs the block again from x_in
                 c = ("recompute", x_in, replay, training, rope)
             c_blocks.append(c)
@@ -348,6 +479,8 @@ class DecoderLM:
         loss, c_loss = None, None
         if targets is not None:
             loss, c_loss = F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
+            if aux is not None:
+                loss = loss + aux           # the balancing and z-losses of the MoE blocks
         self._cache = (c_embed, c_blocks, c_lnf, c_head, c_loss, tuple(logits.shape))
         return logits, loss
 
@@ -356,7 +489,8 @@ class DecoderLM:
         """Add every parameter's gradient into params.grad (+=), in the reverse order of forward.
 
         Without arguments: the gradient of the loss of the last forward (which needs
-        targets). With dlogits [B, S, V]: the gradient of sum(dlogits * logits) instead.
+        targets). With dlogits [B, S, V]: the gradient of sum(dlogits * logits) instead
+        (plus, for an MoE model, the auxiliary losses, which are part of every backward).
         The forward caches are released afterwards.
         """
         if self._cache is None:
@@ -386,11 +520,11 @@ class DecoderLM:
         for i in reversed(range(cfg.n_layers)):
             if cfg.recompute == "full":      # the same call, the same input, the same draws
                 _, x_in, replay, training, rope = c_blocks[i]
-                _, c_blocks[i] = block_forward(p, f"h{i}", x_in, self.spec, rope=rope,
+                _, c_blocks[i] = block_forward(p, f"h{i}", x_in, self.layer_spec(i), rope=rope,
                                                rng=replay, training=training)
             # take: the block's backward holds this layer's caches alone and frees each
             # sublayer's as soon as it is done with it
-            dx = block_backward(p, f"h{i}", dx, take(c_blocks, i), self.spec)  # [B, S, D]
+            dx = block_backward(p, f"h{i}", dx, take(c_blocks, i), self.layer_spec(i))  # [B, S, D]
         c_emb, c_pos, c_drop = c_embed
         dx = F.dropout_backward(dx, c_drop)
         if c_pos is not None:
@@ -416,7 +550,7 @@ class DecoderLM:
         x, _ = self._embed(ids, None, False, pos)                         # [B, T, D]
         rope = self._rope_slice(pos, ids.shape[1])
         for i in range(self.config.n_layers):
-            x, _ = block_forward(self.params, f"h{i}", x, self.spec, rope=rope,
+            x, _ = block_forward(self.params, f"h{i}", x, self.layer_spec(i), rope=rope,
                                  kv=(cache.k[i], cache.v[i]), pos=pos)
         if self.config.norm_placement == "pre":
             x, _ = nn.norm_forward(self.params, "lnf", x, self.config.norm, self.config.eps)

@@ -118,6 +118,14 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     return floats * _itemsize(dtype) + bools * BOOL_BYTES
 
 
+def _refuse_moe(config, what: str) -> None:
+    """The formulas here are those of dense blocks: a mixture of experts is not priced."""
+    if getattr(config, "n_experts", 0):
+        raise ValueError(f"{what} prices dense blocks only; this config has n_experts = "
+                         f"{config.n_experts} (count its parameters with "
+                         "count_parameters(config.param_shapes()))")
+
+
 def decoder_sizes(config, batch: int, seq: int, training: bool = True,
                   targets: bool = True) -> dict:
     """The size table of DecoderLM(config) for ids [batch, seq] (see the module docstring).
@@ -125,6 +133,7 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     training=False leaves out dropout's masks; targets=False the cross-entropy's cache.
     """
     c = config
+    _refuse_moe(c, "decoder_sizes")
     D, V, N = c.d_model, c.vocab_size, batch * seq
     f = _itemsize(c.dtype)
     n_params = V * D + (c.max_seq_len * D if c.position == "learned" else 0)
@@ -158,6 +167,7 @@ def recompute_flops(config, batch: int, seq: int) -> int:
     tiles the tiled op computes (causal tiles above the diagonal skipped). "selective" runs
     attention again: the two products alone. The head is never recomputed. T = B S.
     """
+    _refuse_moe(config, "recompute_flops")
     from ..functional.tiled_attention import attention_tiles
 
     c, T, D = config, batch * seq, config.d_model
