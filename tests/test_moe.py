@@ -43,7 +43,7 @@ def _logits(rng, T, N, gap=0.7, noise=0.05):
 def _router_loss(score, normalize, top_k, bias=None, probs_weight=None):
     """L = sum(G gates) (+ sum(H probs)) as a function of the logits, for check_gradients."""
     def forward(logits):
-        routed, _ = F.router_forward(logits, top_k, score, normalize, bias)
+        routed, _ = M.router_forward(logits, top_k, score, normalize, bias)
         return routed.gates if probs_weight is None else routed.probs
     return forward
 
@@ -54,9 +54,9 @@ def test_router_gates_gradient_matches_finite_differences(score, normalize, rng)
     T, N, K = 7, 5, 2
     z = _logits(rng, T, N)
     bias = 0.02 * rng.standard_normal(N) if score == "sigmoid" else None
-    routed, cache = F.router_forward(z, K, score, normalize, bias)
+    routed, cache = M.router_forward(z, K, score, normalize, bias)
     G = random_upstream((T, K), rng)
-    dz = F.router_backward(G, cache)
+    dz = M.router_backward(G, cache)
     check_gradients(_router_loss(score, normalize, K, bias), {"logits": z}, {"logits": dz}, G,
                     tol=1e-8)
 
@@ -66,9 +66,9 @@ def test_router_probabilities_gradient_matches_finite_differences(score, rng):
     """The probabilities the balancing loss reads: softmax(z), or s / sum s for sigmoid."""
     T, N, K = 6, 4, 2
     z = _logits(rng, T, N)
-    _, cache = F.router_forward(z, K, score)
+    _, cache = M.router_forward(z, K, score)
     H = random_upstream((T, N), rng)
-    dz = F.router_backward(np.zeros((T, K)), cache, dprobs=H)
+    dz = M.router_backward(np.zeros((T, K)), cache, dprobs=H)
     check_gradients(_router_loss(score, None, K, probs_weight=True), {"logits": z},
                     {"logits": dz}, H, tol=1e-8)
 
@@ -81,16 +81,16 @@ def test_gradients_flow_through_the_selected_gates_only(rng):
     T, N, K = 8, 6, 2
     z = _logits(rng, T, N)
     G = random_upstream((T, K), rng)
-    routed, cache = F.router_forward(z, K, "sigmoid")
-    dz = F.router_backward(G, cache)
+    routed, cache = M.router_forward(z, K, "sigmoid")
+    dz = M.router_backward(G, cache)
     off = np.ones((T, N), dtype=bool)
     np.put_along_axis(off, routed.experts, False, axis=1)
     assert np.all(dz[off] == 0.0) and np.all(dz[~off] != 0.0)
-    routed, cache = F.router_forward(z, K, "softmax", normalize=True)
-    dz = F.router_backward(G, cache)
+    routed, cache = M.router_forward(z, K, "softmax", normalize=True)
+    dz = M.router_backward(G, cache)
     assert np.max(np.abs(dz[off])) < 1e-15 * np.max(np.abs(dz))
-    routed, cache = F.router_forward(z, K, "softmax", normalize=False)
-    dz = F.router_backward(G, cache)
+    routed, cache = M.router_forward(z, K, "softmax", normalize=False)
+    dz = M.router_backward(G, cache)
     p = routed.probs
     coupling = -np.sum(G * routed.gates, axis=1, keepdims=True) * p
     assert_close("unselected dz", dz[off], coupling[off])
@@ -101,9 +101,9 @@ def test_renormalised_topk_jacobian_is_the_softmax_of_the_selected_logits(rng):
     the Jacobian assembled from router_backward, one unit upstream at a time."""
     N, K = 5, 3
     z = _logits(rng, 1, N)
-    routed, cache = F.router_forward(z, K, "softmax", normalize=True)
+    routed, cache = M.router_forward(z, K, "softmax", normalize=True)
     e, g = routed.experts[0], routed.gates[0]
-    jac = np.stack([F.router_backward(np.eye(K)[k][None, :], cache)[0] for k in range(K)])
+    jac = np.stack([M.router_backward(np.eye(K)[k][None, :], cache)[0] for k in range(K)])
     closed = np.zeros((K, N))
     for k in range(K):
         for j in range(K):
@@ -121,17 +121,17 @@ def test_selection_bias_moves_the_selection_not_the_gates(rng):
     z[np.arange(T), weakest] = -3.0
     bias = np.zeros(N)
     bias_high = bias.copy()
-    routed0, _ = F.router_forward(z, K, "sigmoid")
+    routed0, _ = M.router_forward(z, K, "sigmoid")
     for t in range(T):
         assert weakest[t] not in routed0.experts[t]
     z[:, 0] = -3.0                              # expert 0 the weakest of every token
     bias_high[0] = 2.0
-    routed, cache = F.router_forward(z, K, "sigmoid", bias=bias_high)
+    routed, cache = M.router_forward(z, K, "sigmoid", bias=bias_high)
     assert np.all(routed.experts[:, 0] == 0)
     s = 1 / (1 + np.exp(-z))
     chosen = np.take_along_axis(s, routed.experts, axis=1)
     assert_close("gates", routed.gates, chosen / chosen.sum(axis=1, keepdims=True))
-    nudged, _ = F.router_forward(z, K, "sigmoid", bias=bias_high + 1e-3)
+    nudged, _ = M.router_forward(z, K, "sigmoid", bias=bias_high + 1e-3)
     np.testing.assert_array_equal(nudged.gates, routed.gates)
     np.testing.assert_array_equal(nudged.probs, routed.probs)
 
@@ -141,11 +141,11 @@ def test_tie_rule_lower_expert_index_wins():
     z = np.array([[1.0, 3.0, 3.0, 0.5, 3.0],
                   [0.0, 0.0, 0.0, 0.0, 0.0],
                   [2.0, 1.0, 2.0, 1.0, 0.0]])
-    routed, _ = F.router_forward(z, 3, "softmax")
+    routed, _ = M.router_forward(z, 3, "softmax")
     np.testing.assert_array_equal(routed.experts, [[1, 2, 4], [0, 1, 2], [0, 2, 1]])
     # with the sigmoid router the tie is in the biased score s + b
     z = np.zeros((1, 4))
-    routed, _ = F.router_forward(z, 2, "sigmoid", bias=np.array([0.0, 0.1, 0.1, 0.1]))
+    routed, _ = M.router_forward(z, 2, "sigmoid", bias=np.array([0.0, 0.1, 0.1, 0.1]))
     np.testing.assert_array_equal(routed.experts, [[1, 2]])
 
 
@@ -172,10 +172,10 @@ def test_capacity_drops_exactly_the_documented_tokens():
     np.testing.assert_array_equal(plan.load, [5, 4, 2, 1])
     np.testing.assert_array_equal(plan.kept_load, [2, 2, 2, 1])
     x = np.arange(6.0)[:, None] * np.ones((1, 3)) + 1.0         # token t's row is t + 1
-    xe, _ = F.moe_dispatch_forward(x, plan)
+    xe, _ = M.moe_dispatch_forward(x, plan)
     np.testing.assert_array_equal(xe[:, :, 0], [[1, 2], [1, 3], [2, 5], [4, 0]])
     gates = np.full((6, 2), 0.5)
-    y, _ = F.moe_combine_forward(xe, gates, plan)
+    y, _ = M.moe_combine_forward(xe, gates, plan)
     np.testing.assert_array_equal(y[:, 0], [1.0, 2.0, 1.5, 2.0, 2.5, 0.0])  # token 5: all dropped
 
 
@@ -195,16 +195,16 @@ def test_dispatch_and_combine_gradients_match_finite_differences(capacity_factor
     if capacity_factor is not None:
         assert not plan.kept.all()                       # the check covers dropped rows
     x = rng.standard_normal((T, D))
-    xe, c_disp = F.moe_dispatch_forward(x, plan)
+    xe, c_disp = M.moe_dispatch_forward(x, plan)
     G = random_upstream(xe.shape, rng)
-    check_gradients(lambda x: F.moe_dispatch_forward(x, plan)[0], {"x": x},
-                    {"x": F.moe_dispatch_backward(G, c_disp)}, G)
+    check_gradients(lambda x: M.moe_dispatch_forward(x, plan)[0], {"x": x},
+                    {"x": M.moe_dispatch_backward(G, c_disp)}, G)
     ye = rng.standard_normal(xe.shape)
     gates = rng.uniform(0.1, 1.0, (T, K))
-    y, c_comb = F.moe_combine_forward(ye, gates, plan)
+    y, c_comb = M.moe_combine_forward(ye, gates, plan)
     Gy = random_upstream(y.shape, rng)
-    dye, dgates = F.moe_combine_backward(Gy, c_comb)
-    combine = lambda ye, gates: F.moe_combine_forward(ye, gates, plan)[0]   # noqa: E731
+    dye, dgates = M.moe_combine_backward(Gy, c_comb)
+    combine = lambda ye, gates: M.moe_combine_forward(ye, gates, plan)[0]   # noqa: E731
     check_gradients(combine, {"ye": ye, "gates": gates}, {"ye": dye, "gates": dgates}, Gy)
     assert np.all(dgates[~plan.kept] == 0.0)
 
@@ -214,10 +214,10 @@ def test_dispatch_backward_is_its_adjoint(rng):
     experts = np.stack([rng.choice(6, 3, replace=False) for _ in range(10)])
     plan = M.moe_plan(experts, 6, 0.5)
     x = rng.standard_normal((10, 4))
-    xe, cache = F.moe_dispatch_forward(x, plan)
+    xe, cache = M.moe_dispatch_forward(x, plan)
     y = rng.standard_normal(xe.shape)
     lhs = float(np.sum(xe * y))
-    rhs = float(np.sum(x * F.moe_dispatch_backward(y, cache)))
+    rhs = float(np.sum(x * M.moe_dispatch_backward(y, cache)))
     assert abs(lhs - rhs) < 1e-13 * (abs(lhs) + 1)
 
 
@@ -235,15 +235,15 @@ def test_expert_mlp_gradients_match_finite_differences(activation, bias, rng):
             inputs["b_gate"] = rng.standard_normal((E, Fh))
 
     def forward(xe, W_fc, W_proj, b_fc=None, b_proj=None, W_gate=None, b_gate=None):
-        return F.expert_mlp_forward(xe, W_fc, b_fc, W_proj, b_proj, activation, W_gate,
+        return M.expert_mlp_forward(xe, W_fc, b_fc, W_proj, b_proj, activation, W_gate,
                                     b_gate)[0]
 
-    ye, cache = forward(**inputs), F.expert_mlp_forward(
+    ye, cache = forward(**inputs), M.expert_mlp_forward(
         inputs["xe"], inputs["W_fc"], inputs.get("b_fc"), inputs["W_proj"],
         inputs.get("b_proj"), activation, inputs.get("W_gate"), inputs.get("b_gate"))[1]
     G = random_upstream(ye.shape, rng)
     names = ("xe", "W_fc", "b_fc", "W_proj", "b_proj", "W_gate", "b_gate")
-    grads = dict(zip(names, F.expert_mlp_backward(G, cache)))
+    grads = dict(zip(names, M.expert_mlp_backward(G, cache)))
     grads = {k: v for k, v in grads.items() if k in inputs}
     assert set(grads) == set(inputs)
     check_gradients(forward, inputs, grads, G, tol=1e-7)
@@ -253,7 +253,7 @@ def test_expert_mlp_is_each_expert_s_own_mlp(rng):
     """Expert e's rows go through expert e's weights only."""
     E, C, D, Fh = 3, 2, 4, 5
     xe, W1, W2 = (rng.standard_normal(s) for s in ((E, C, D), (E, D, Fh), (E, Fh, D)))
-    ye, _ = F.expert_mlp_forward(xe, W1, None, W2, None, "relu")
+    ye, _ = M.expert_mlp_forward(xe, W1, None, W2, None, "relu")
     for e in range(E):
         assert_close(f"expert {e}", ye[e], np.maximum(xe[e] @ W1[e], 0) @ W2[e])
 
@@ -266,7 +266,7 @@ def test_balancing_loss_is_alpha_when_balanced_and_alpha_n_when_collapsed(rng):
     alpha, N, K, T = 0.3, 4, 2, 8
     probs = np.full((T, N), 1 / N)
     experts = np.array([[t % N, (t + 1) % N] for t in range(T)])     # every expert 4 times
-    loss, _ = F.load_balancing_loss_forward(probs, experts, alpha)
+    loss, _ = M.load_balancing_loss_forward(probs, experts, alpha)
     assert abs(float(loss) - alpha) < 1e-15
     # f_i sums to 1 under top-K (normalised by T K, not by T)
     f = to_numpy(M._fractions(experts, N, np.float64))
@@ -274,7 +274,7 @@ def test_balancing_loss_is_alpha_when_balanced_and_alpha_n_when_collapsed(rng):
     # collapse: every token's probability on expert 0, top-1 routing to it
     probs = np.zeros((T, N))
     probs[:, 0] = 1.0
-    loss, _ = F.load_balancing_loss_forward(probs, np.zeros((T, 1), dtype=np.int64), alpha)
+    loss, _ = M.load_balancing_loss_forward(probs, np.zeros((T, 1), dtype=np.int64), alpha)
     assert abs(float(loss) - alpha * N) < 1e-15
     # with f = P (the relaxed objective) the loss is alpha N sum P_i^2 >= alpha, equality at
     # uniform P only (Cauchy-Schwarz)
@@ -289,12 +289,12 @@ def test_balancing_loss_gradient_treats_f_as_a_constant(rng):
     T, N, K, alpha = 9, 5, 2, 0.7
     probs = rng.dirichlet(np.ones(N), size=T)
     experts = np.stack([rng.choice(N, K, replace=False) for _ in range(T)])
-    loss, cache = F.load_balancing_loss_forward(probs, experts, alpha)
-    dprobs = F.load_balancing_loss_backward(1.0, cache)
+    loss, cache = M.load_balancing_loss_forward(probs, experts, alpha)
+    dprobs = M.load_balancing_loss_backward(1.0, cache)
     f = np.bincount(experts.ravel(), minlength=N) / (T * K)
     assert_close("dprobs", dprobs, np.broadcast_to(alpha * N * f / T, (T, N)))
     assert abs(float(loss) - alpha * N * np.sum(f * probs.mean(axis=0))) < 1e-15
-    check_gradients(lambda probs: F.load_balancing_loss_forward(probs, experts, alpha)[0],
+    check_gradients(lambda probs: M.load_balancing_loss_forward(probs, experts, alpha)[0],
                     {"probs": probs}, {"probs": 2.5 * dprobs}, np.array(2.5))
 
 
@@ -302,34 +302,34 @@ def test_sequence_balancing_loss_averages_the_per_sequence_loss(rng):
     B, S, N, K, alpha = 3, 5, 4, 2, 0.2
     probs = rng.dirichlet(np.ones(N), size=(B, S))
     experts = np.stack([[rng.choice(N, K, replace=False) for _ in range(S)] for _ in range(B)])
-    loss, cache = F.sequence_balancing_loss_forward(probs, experts, alpha)
-    per = [float(F.load_balancing_loss_forward(probs[b], experts[b], alpha)[0])
+    loss, cache = M.sequence_balancing_loss_forward(probs, experts, alpha)
+    per = [float(M.load_balancing_loss_forward(probs[b], experts[b], alpha)[0])
            for b in range(B)]
     assert abs(float(loss) - np.mean(per)) < 1e-15
-    whole = float(F.load_balancing_loss_forward(probs.reshape(-1, N), experts.reshape(-1, K),
+    whole = float(M.load_balancing_loss_forward(probs.reshape(-1, N), experts.reshape(-1, K),
                                                 alpha)[0])
     assert abs(whole - float(loss)) > 1e-6            # a different loss from the batch one
-    dprobs = F.sequence_balancing_loss_backward(1.0, cache)
-    check_gradients(lambda probs: F.sequence_balancing_loss_forward(probs, experts, alpha)[0],
+    dprobs = M.sequence_balancing_loss_backward(1.0, cache)
+    check_gradients(lambda probs: M.sequence_balancing_loss_forward(probs, experts, alpha)[0],
                     {"probs": probs}, {"probs": dprobs}, np.array(1.0))
 
 
 def test_z_loss_value_and_gradient(rng):
     z = 3.0 * rng.standard_normal((6, 5))
-    loss, cache = F.router_z_loss_forward(z, 0.1)
+    loss, cache = M.router_z_loss_forward(z, 0.1)
     lse = np.log(np.sum(np.exp(z), axis=1))
     assert abs(float(loss) - 0.1 * np.mean(lse ** 2)) < 1e-14
-    check_gradients(lambda logits: F.router_z_loss_forward(logits, 0.1)[0], {"logits": z},
-                    {"logits": F.router_z_loss_backward(1.0, cache)}, np.array(1.0))
+    check_gradients(lambda logits: M.router_z_loss_forward(logits, 0.1)[0], {"logits": z},
+                    {"logits": M.router_z_loss_backward(1.0, cache)}, np.array(1.0))
 
 
 def test_expert_bias_update_is_the_sign_of_the_load_error():
     bias = np.array([0.0, 0.1, -0.2, 0.3])
     load = np.array([2, 6, 4, 4])                           # mean 4
-    new = F.expert_bias_update(bias, load, 0.01)
+    new = M.expert_bias_update(bias, load, 0.01)
     np.testing.assert_array_equal(new, bias + 0.01 * np.array([1.0, -1.0, 0.0, 0.0]))
     experts = np.array([[0, 1], [1, 2], [1, 3]])
-    np.testing.assert_array_equal(F.expert_load(experts, 4), [1, 3, 1, 1])
+    np.testing.assert_array_equal(M.expert_load(experts, 4), [1, 3, 1, 1])
 
 
 def test_bias_updates_balance_a_skewed_sigmoid_router(rng):
@@ -338,10 +338,10 @@ def test_bias_updates_balance_a_skewed_sigmoid_router(rng):
     T, N, K = 256, 8, 2
     z = rng.standard_normal((T, N)) + np.linspace(1.5, -1.5, N)
     bias = np.zeros(N)
-    start = F.expert_load(F.router_forward(z, K, "sigmoid", bias=bias)[0].experts, N)
+    start = M.expert_load(M.router_forward(z, K, "sigmoid", bias=bias)[0].experts, N)
     for _ in range(300):
-        load = F.expert_load(F.router_forward(z, K, "sigmoid", bias=bias)[0].experts, N)
-        bias = F.expert_bias_update(bias, load, 0.01)
+        load = M.expert_load(M.router_forward(z, K, "sigmoid", bias=bias)[0].experts, N)
+        bias = M.expert_bias_update(bias, load, 0.01)
     mean = T * K / N
     assert start.max() > 2 * mean
     assert load.max() < 1.25 * mean and load.min() > 0.75 * mean
@@ -395,10 +395,10 @@ def test_sympy_router_backward_equals_the_truth_and_tfcore(score, n_experts, sel
     for rank, e in enumerate(selected):
         zv[0, e] = 3.0 - rank
     gv = rng.standard_normal((1, len(selected)))
-    routed, cache = F.router_forward(zv, len(selected), score, normalize=True)
+    routed, cache = M.router_forward(zv, len(selected), score, normalize=True)
     np.testing.assert_array_equal(routed.experts[0], selected)
     expected = sym.lambdify([z, G], closed, cse=True)(zv, gv)
-    assert_close("dz", F.router_backward(gv, cache), expected)
+    assert_close("dz", M.router_backward(gv, cache), expected)
 
 
 def test_sympy_balancing_loss_gradient_and_extremes():
@@ -902,20 +902,40 @@ def test_ops_run_on_the_strict_backend(rng):
 
     def run(xp_asarray):
         bias = xp_asarray(0.01 * np.arange(N))
-        routed, c_r = F.router_forward(xp_asarray(z), K, "sigmoid", bias=bias)
+        routed, c_r = M.router_forward(xp_asarray(z), K, "sigmoid", bias=bias)
         plan = M.moe_plan(routed.experts, N, 0.75)
-        xe, c_d = F.moe_dispatch_forward(xp_asarray(x), plan)
-        ye, c_e = F.expert_mlp_forward(xe, xp_asarray(W1), None, xp_asarray(W2), None, "gelu")
-        y, c_c = F.moe_combine_forward(ye, routed.gates, plan)
-        loss, c_b = F.load_balancing_loss_forward(routed.probs, routed.experts, 0.1)
-        dye, dg = F.moe_combine_backward(xp_asarray(np.ones((T, D))), c_c)
-        dxe = F.expert_mlp_backward(dye, c_e)[0]
-        dx = F.moe_dispatch_backward(dxe, c_d)
-        dz = F.router_backward(dg, c_r, F.load_balancing_loss_backward(1.0, c_b))
+        xe, c_d = M.moe_dispatch_forward(xp_asarray(x), plan)
+        ye, c_e = M.expert_mlp_forward(xe, xp_asarray(W1), None, xp_asarray(W2), None, "gelu")
+        y, c_c = M.moe_combine_forward(ye, routed.gates, plan)
+        loss, c_b = M.load_balancing_loss_forward(routed.probs, routed.experts, 0.1)
+        dye, dg = M.moe_combine_backward(xp_asarray(np.ones((T, D))), c_c)
+        dxe = M.expert_mlp_backward(dye, c_e)[0]
+        dx = M.moe_dispatch_backward(dxe, c_d)
+        dz = M.router_backward(dg, c_r, M.load_balancing_loss_backward(1.0, c_b))
         return [np.asarray(to_numpy(a)) for a in (y, loss, dx, dz)]
 
     for a, b in zip(run(np.asarray), run(xps.asarray)):
         assert_close("strict", b, a, tol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["softmax-renormalised-every-2nd-shared-capacity",
+                                  "sigmoid-every-block-swiglu-shared2-sequence"])
+def test_moe_decoder_on_each_backend(name, backend_name):
+    """The MoE decoder's loss and gradients on every backend equal the NumPy ones."""
+    from tfcore import backend
+
+    cfg = MOE_CONFIGS[name]
+    ids, targets = _moe_data(cfg)
+    results = []
+    for which in ("numpy", backend_name):
+        backend.set_backend(which)
+        model = _moe_model(cfg)
+        _, loss = model.forward(asarray(ids, "int64"), asarray(targets, "int64"))
+        model.backward()
+        results.append((float(loss), np.array(to_numpy(model.params.grad))))
+    (loss0, grad0), (loss1, grad1) = results
+    assert abs(loss1 - loss0) < 1e-13 * abs(loss0)
+    assert_close("grad", grad1, grad0, tol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------
@@ -949,17 +969,17 @@ def test_bad_op_inputs_are_refused_clearly(rng):
     z = _logits(rng, 4, 3)
     message = "top_k must be at most the number of experts N_E = 3, got 4"
     with pytest.raises(ValueError, match=re.escape(message)):
-        F.router_forward(z, 4)
+        M.router_forward(z, 4)
     with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
-        F.router_forward(z, 0)
+        M.router_forward(z, 0)
     with pytest.raises(ValueError, match="score must be one of"):
-        F.router_forward(z, 1, "relu")
+        M.router_forward(z, 1, "relu")
     bad = z.copy()
     bad[1, 2] = np.nan
     with pytest.raises(ValueError, match="logits must be finite"):
-        F.router_forward(bad, 1)
+        M.router_forward(bad, 1)
     with pytest.raises(ValueError, match=re.escape("bias must have shape (3,)")):
-        F.router_forward(z, 1, "sigmoid", bias=np.zeros(4))
+        M.router_forward(z, 1, "sigmoid", bias=np.zeros(4))
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         M.moe_plan(np.zeros((4, 1), dtype=np.int64), 3, 0.0)
     with pytest.raises(ValueError, match=re.escape("experts must lie in [0, 3), found 3")):
@@ -970,35 +990,35 @@ def test_bad_op_inputs_are_refused_clearly(rng):
         M.moe_plan(np.zeros((2, 1)), 3)
     plan = M.moe_plan(np.array([[0], [2]]), 3)
     with pytest.raises(ValueError, match=re.escape("x must have shape (2, 5)")):
-        F.moe_dispatch_forward(np.zeros((3, 5)), plan)
+        M.moe_dispatch_forward(np.zeros((3, 5)), plan)
     with pytest.raises(TypeError, match="plan must be a DispatchPlan"):
-        F.moe_dispatch_forward(np.zeros((2, 5)), (1, 2))
+        M.moe_dispatch_forward(np.zeros((2, 5)), (1, 2))
     with pytest.raises(ValueError, match=re.escape("W_proj must have shape (2, 4, 3)")):
-        F.expert_mlp_forward(np.zeros((2, 1, 3)), np.zeros((2, 3, 4)), None,
+        M.expert_mlp_forward(np.zeros((2, 1, 3)), np.zeros((2, 3, 4)), None,
                              np.zeros((2, 3, 4)), None)
     with pytest.raises(ValueError, match="needs W_gate"):
-        F.expert_mlp_forward(np.zeros((2, 1, 3)), np.zeros((2, 3, 4)), None,
+        M.expert_mlp_forward(np.zeros((2, 1, 3)), np.zeros((2, 3, 4)), None,
                              np.zeros((2, 4, 3)), None, "swiglu")
     with pytest.raises(ValueError, match="coef must be >= 0"):
-        F.load_balancing_loss_forward(np.full((2, 3), 1 / 3), np.array([[0], [1]]), -1.0)
+        M.load_balancing_loss_forward(np.full((2, 3), 1 / 3), np.array([[0], [1]]), -1.0)
 
 
 def test_backwards_check_their_upstream_gradient(rng):
     z = _logits(rng, 4, 3)
-    routed, cache = F.router_forward(z, 2)
+    routed, cache = M.router_forward(z, 2)
     with pytest.raises(ValueError, match=re.escape("dgates must have shape (4, 2)")):
-        F.router_backward(np.zeros((4, 3)), cache)
+        M.router_backward(np.zeros((4, 3)), cache)
     with pytest.raises(TypeError, match="dgates must have dtype float64"):
-        F.router_backward(np.zeros((4, 2), dtype=np.float32), cache)
+        M.router_backward(np.zeros((4, 2), dtype=np.float32), cache)
     with pytest.raises(ValueError, match=re.escape("dprobs must have shape (4, 3)")):
-        F.router_backward(np.zeros((4, 2)), cache, dprobs=np.zeros((4, 2)))
+        M.router_backward(np.zeros((4, 2)), cache, dprobs=np.zeros((4, 2)))
     plan = M.moe_plan(routed.experts, 3)
-    xe, c_d = F.moe_dispatch_forward(rng.standard_normal((4, 2)), plan)
+    xe, c_d = M.moe_dispatch_forward(rng.standard_normal((4, 2)), plan)
     with pytest.raises(ValueError, match="dxe must have shape"):
-        F.moe_dispatch_backward(np.zeros((3, plan.capacity + 1, 2)), c_d)
-    _, c_c = F.moe_combine_forward(xe, routed.gates, plan)
+        M.moe_dispatch_backward(np.zeros((3, plan.capacity + 1, 2)), c_d)
+    _, c_c = M.moe_combine_forward(xe, routed.gates, plan)
     with pytest.raises(ValueError, match=re.escape("dy must have shape (4, 2)")):
-        F.moe_combine_backward(np.zeros((4, 3)), c_c)
-    _, c_b = F.load_balancing_loss_forward(routed.probs, routed.experts)
+        M.moe_combine_backward(np.zeros((4, 3)), c_c)
+    _, c_b = M.load_balancing_loss_forward(routed.probs, routed.experts)
     with pytest.raises(ValueError, match="dloss must be a scalar"):
-        F.load_balancing_loss_backward(np.zeros(2), c_b)
+        M.load_balancing_loss_backward(np.zeros(2), c_b)

@@ -391,7 +391,7 @@ class DecoderLM:
             raise RuntimeError("update_expert_bias needs a forward first (it uses its loads)")
         for i, stats in self.moe_stats.items():
             bias = self.params[f"h{i}.moe.select.b"]
-            bias[...] = F.expert_bias_update(bias, stats["load"], rate)
+            bias[...] = F.moe.expert_bias_update(bias, stats["load"], rate)
 
     def num_parameters(self) -> int:
         return self.params.size
