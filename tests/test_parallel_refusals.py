@@ -29,7 +29,8 @@ VALUES = {"dp": [2], "tp": [2], "pp": [2], "cp": [2], "zero": [1, 2, 3], "sp": [
           "micro_batches": [2], "virtual": [2], "schedule": ["gpipe", "1f1b", "interleaved"],
           "clip": [1.0], "bucket_bytes": [1024], "algorithm": ["native"],
           "transport": ["simulated"], "balanced": [False], "dropout": [0.1],
-          "n_kv_heads": [2], "n_heads": [4], "recompute": ["full"]}
+          "n_kv_heads": [2], "n_heads": [4], "recompute": ["full"],
+          "n_experts": [2]}
 DEFAULT = {f.name: f.default for f in dataclasses.fields(Layout)}
 
 
@@ -137,7 +138,8 @@ def test_every_rule_a_command_line_can_reach_is_checked_there():
     unreachable = {rule.name for rule in REFUSALS} - reached
     # only the rules on the model's own fields: no --config of the command line has them
     assert unreachable == {"grouped-query attention without context parallelism",
-                           "recomputation in a parallel decoder"}
+                           "recomputation in a parallel decoder",
+                           "mixture of experts in a parallel decoder"}
 
 
 @pytest.mark.parametrize("rule,values", CLI_CASES, ids=[r.name for r, _ in CLI_CASES])

@@ -138,7 +138,8 @@ OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", zero="--zero", sp="--
                micro_batches="--micro-batches", virtual="--virtual", schedule="--schedule",
                balanced=None, clip="--clip", bucket_bytes="--bucket-bytes",
                algorithm="--algorithm", transport="--simulate", dropout="--dropout",
-               n_kv_heads="--config", n_heads="--config", recompute="--config")
+               n_kv_heads="--config", n_heads="--config", recompute="--config",
+               n_experts="--config")
 
 
 def refusals_text() -> str:

@@ -144,9 +144,13 @@ REFUSALS: list[Refusal] = [
     Refusal("recomputation in a parallel decoder", ("recompute",),
             lambda l, c: c is not None and c.recompute != "none",
             "the parallel decoders keep their caches, so recompute must be 'none'"),
+    Refusal("mixture of experts in a parallel decoder", ("n_experts",),
+            lambda l, c: c is not None and c.n_experts > 0,
+            "the parallel decoders build dense blocks (expert parallelism is "
+            "tfcore.parallel.experts' layer, not yet a layout), so n_experts must be 0"),
 ]
 
-CONFIG_FIELDS = ("dropout", "n_kv_heads", "n_heads", "recompute")
+CONFIG_FIELDS = ("dropout", "n_kv_heads", "n_heads", "recompute", "n_experts")
 
 
 def _positive_int(name, value, none_ok=False):
