@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tfcore.parallel import SimulatedGroup, fsdp, pipeline
+from tfcore.parallel import SimulatedGroup, optimizer, pipeline
 from tfcore.parallel.fsdp import train_sharded
 from tfcore.parallel.grads import parallel_pieces
 from tfcore.parallel.pipeline import train_pipeline
@@ -95,7 +95,7 @@ def test_a_zero_shard_counted_as_replicated_is_caught(config, clipped, monkeypat
     def without_dp(grad, mask, tp, dp=None, pp=None, counted=None):
         return parallel_pieces(grad, mask, tp, None, pp, counted)
 
-    monkeypatch.setattr(fsdp, "parallel_pieces", without_dp)
+    monkeypatch.setattr(optimizer, "parallel_pieces", without_dp)
     outs = SimulatedGroup(2).run(train_sharded, config, STEPS, BATCH, SEQ, dp=2, stage=3,
                                  clip=MAX_NORM)
     assert all(rel(out["norms"], clipped["norms"]) > 1e-3 for out in outs)

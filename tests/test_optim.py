@@ -175,8 +175,10 @@ def test_clip_grad_norm_errors():
         optim.clip_grad_norm(np.ones(3), 0.0)
     with pytest.raises(FloatingPointError, match="nan"):
         optim.clip_grad_norm(np.array([1.0, np.nan]), 1.0)
-    with pytest.raises(ValueError, match="grad_flat must have 1 dimensions"):
-        optim.clip_grad_norm(np.ones((2, 2)), 1.0)
+    with pytest.raises(TypeError, match=r"pieces\[1\] must be float32 or float64"):
+        optim.clip_grad_norm([np.ones(3), np.ones(2, dtype=np.int64)], 1.0)
+    with pytest.raises(ValueError, match="at least one gradient piece"):
+        optim.clip_grad_norm([], 1.0)
 
 
 def test_warmup_cosine_values():
@@ -374,3 +376,115 @@ def test_check_state_dict_refuses_a_poisoned_state_and_changes_nothing(change, m
         fresh.load_state_dict(state)
     after = (host(fresh_params.data), host(fresh.m), host(fresh.v), fresh.t, fresh.lr)
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+# -- the shard view and the clip over pieces ------------------------------------------------
+class MiddleView(optim.ShardView):
+    """A view of elements a..b of the flat buffers, with a gradient a reduction hands over
+    (here: twice the local one) and a publish that records the values it was given."""
+
+    def __init__(self, a, b):
+        self.a, self.b, self.published = a, b, []
+
+    def size(self, params):
+        return self.b - self.a
+
+    def select(self, params, full):
+        return full[self.a:self.b]
+
+    def gradient(self, params):
+        return 2 * params.grad[self.a:self.b]
+
+    def parameters(self, params):
+        return params.data[self.a:self.b]
+
+    def publish(self, params, values):
+        self.published.append(host(values).copy())
+
+
+@pytest.mark.parametrize("kind", ["SGD", "AdamW"])
+def test_an_optimizer_steps_over_its_shard_view_only(backend_name, rng, kind):
+    """m, v (or the momentum) are [Z]; the update is the reference's on the view's values
+    with the view's gradient, elementwise; the rest of the buffer is untouched."""
+    n, a, b = 10, 3, 8
+    p0, g = rng.standard_normal(n), rng.standard_normal(n)
+    mask = (np.arange(n) % 2).astype(float)
+    params = FlatParams(p0, mask)
+    view = MiddleView(a, b)
+    if kind == "AdamW":
+        opt = optim.AdamW(params, lr=0.1, weight_decay=0.2, shard=view)
+        want = adam_reference(p0[a:b], [2 * g[a:b]] * 2, 0.1, 0.9, 0.999, 1e-8, 0.2,
+                              mask[a:b])
+        assert opt.m.shape == opt.v.shape == (b - a,)
+    else:
+        opt = optim.SGD(params, lr=0.1, momentum=0.5, shard=view)
+        want = p0[a:b] - 0.1 * (2 * g[a:b]) - 0.1 * (1.5 * 2 * g[a:b])
+        assert opt.momentum_buffer.shape == (b - a,)
+    params.grad[...] = dev(g)
+    opt.step()
+    opt.step()
+    out = host(params.data)
+    assert np.array_equal(out[:a], p0[:a]) and np.array_equal(out[b:], p0[b:])
+    assert relerr(out[a:b], want) < 1e-12
+    assert len(view.published) == 2 and np.array_equal(view.published[-1], out[a:b])
+    assert opt.state_bytes() == len(opt._buffers) * (b - a) * 8
+
+
+def test_the_default_view_is_the_whole_buffer_bit_for_bit(rng):
+    """AdamW without a shard is adamw_update on the whole buffers, to the last bit."""
+    n = 50
+    p0, g, mask = rng.standard_normal(n), rng.standard_normal(n), np.ones(n)
+    params = FlatParams(p0, mask)
+    params.grad[...] = g
+    opt = optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    opt.step()
+    p, m, v = p0.copy(), np.zeros(n), np.zeros(n)
+    optim.adamw_update(p, g, m, v, 1, 0.01, 0.9, 0.999, 1e-8, 0.1, mask)
+    assert np.array_equal(params.data, p) and np.array_equal(opt.m, m)
+
+
+def test_clip_over_pieces_equals_the_clip_of_the_whole(rng):
+    """The norm of pieces (masks selecting parts of one buffer, and a second buffer) is the
+    norm of their concatenation, each buffer is scaled once, and a sum_squares callback
+    replaces the local sum of squares."""
+    from tfcore.parallel.grads import GradPiece
+
+    g1, g2 = rng.standard_normal(12) * 3, rng.standard_normal(5) * 3
+    whole = np.concatenate([g1, g2])
+    truth = float(np.linalg.norm(whole))
+    half = np.arange(12) < 6
+    b1, b2 = g1.copy(), g2.copy()
+    pieces = [GradPiece(b1, (), half), GradPiece(b1, (), ~half), b2]
+    norm = optim.clip_grad_norm(pieces, 1.0)
+    assert abs(norm - truth) <= 1e-14 * truth
+    scale = 1.0 / (norm + 1e-6)
+    assert np.array_equal(b1, g1 * scale) and np.array_equal(b2, g2 * scale)
+    seen = []
+
+    def sum_squares(got):
+        seen.append(got)
+        return 4.0 * truth**2                 # as if three other ranks held the same
+    b = whole.copy()
+    assert optim.clip_grad_norm(b, 1.0, sum_squares) == pytest.approx(2 * truth, rel=1e-15)
+    assert len(seen) == 1 and seen[0][0] is b
+    with pytest.raises(FloatingPointError, match="inf"):
+        optim.clip_grad_norm(whole.copy(), 1.0, lambda got: math.inf)
+
+
+def test_a_sharded_strategy_refuses_skip_nonfinite():
+    """Each ZeRO rank holds another shard of the gradient: skipping on a local nan would
+    let the ranks disagree, so the optimizer refuses skip_nonfinite there."""
+    from tfcore.parallel import SimulatedGroup
+    from tfcore.parallel.optimizer import Replicated, ZeRO1
+
+    def body(comm):
+        params = FlatParams(np.linspace(-1, 1, 6), np.ones(6))
+        optim.AdamW(params, shard=Replicated(comm), skip_nonfinite=True)    # agrees
+        with pytest.raises(ValueError, match="skip_nonfinite needs every rank to see "
+                                             "the same gradient; under ZeRO1"):
+            optim.AdamW(params, shard=ZeRO1(comm), skip_nonfinite=True)
+        with pytest.raises(TypeError, match="shard must be a tfcore.optim.ShardView"):
+            optim.AdamW(params, shard=comm)
+        return True
+
+    assert SimulatedGroup(2).run(body) == [True, True]

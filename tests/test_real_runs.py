@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 
 from tfcore import nn
+from tfcore.optim import clip_grad_norm
 from tfcore.parallel import SimulatedGroup
 from tfcore.parallel.grads import (
     GradientBuckets,
     GradPiece,
     accumulation_weights,
     backward_units,
-    clip_grad_norm,
     global_grad_norm,
+    global_sum_of_squares,
     make_buckets,
     overlap_timeline,
     split_micro_batches,
@@ -265,7 +266,8 @@ def test_global_norm_counts_shards_once_and_replicas_once():
 def test_clip_scales_a_shared_buffer_once():
     g = np.full(4, 3.0)
     mask = np.array([True, True, False, False])
-    norm = clip_grad_norm([GradPiece(g, (), mask), GradPiece(g, (), ~mask)], 1.0)
+    norm = clip_grad_norm([GradPiece(g, (), mask), GradPiece(g, (), ~mask)], 1.0,
+                          global_sum_of_squares)
     assert norm == pytest.approx(6.0, rel=1e-15)
     assert np.linalg.norm(g) == pytest.approx(6.0 / (6.0 + 1e-6), rel=1e-15)
 
@@ -299,7 +301,7 @@ def test_max_norm_must_be_positive_and_finite(config, value, match):
     with pytest.raises(ValueError, match=f"clip must be {match}"):
         train_single(config, 1, 4, 8, clip=value)
     with pytest.raises(ValueError, match=f"max_norm must be {match}"):
-        clip_grad_norm([GradPiece(np.ones(3))], value)
+        clip_grad_norm([GradPiece(np.ones(3))], value, global_sum_of_squares)
 
 
 def test_micro_batches_must_divide(config):

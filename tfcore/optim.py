@@ -6,8 +6,13 @@ is then a handful of vectorized, in-place operations over the whole model, whate
 architecture: no loop over tensors.
 
 The arithmetic lives in two functional cores, ``sgd_update`` and ``adamw_update``, which
-update any 1-D slice in place (so a sharded optimizer, ZeRO-1 for instance, calls them on
-its own slice of the buffers). The classes only keep the state and the hyperparameters.
+update any 1-D slice in place. The classes keep the state and the hyperparameters, and step
+over a *shard view* (``ShardView``): which part [Z] of the flat buffers this optimizer
+updates, how its summed gradient reaches it, and what happens after the update. The base
+view is one device's (the whole buffers, Z = P, the gradient as it is); the data-parallel
+strategies (replicated, ZeRO-1, ZeRO-2/3) are views written in ``tfcore.parallel.optimizer``
+with their collectives, so one AdamW serves every layout. With ``clip`` the optimizer clips
+the view's gradient by the global norm (``clip_grad_norm`` over the view's pieces) first.
 
 Adam is seed 002's form, with bias correction (derived in the Training chapter)::
 
@@ -32,6 +37,8 @@ import numpy as np
 
 from . import checks, kernels
 from .backend import is_cupy, is_numpy, namespace, to_numpy
+
+CLIP_GUARD = 1e-6          # added to the norm before dividing (as PyTorch)
 
 
 def _ufunc_library(x):
@@ -164,22 +171,65 @@ def grad_norm(grad_flat) -> float:
     return float(xp.linalg.vector_norm(grad_flat))
 
 
-def clip_grad_norm(grad_flat, max_norm: float) -> float:
-    """Scale the whole flat gradient [N] in place so its global L2 norm is at most max_norm.
+def _piece(piece):
+    """(grad, where) of a gradient piece: an array, or an object with .grad and .where."""
+    if hasattr(piece, "grad"):
+        return piece.grad, getattr(piece, "where", None)
+    return piece, None
+
+
+def sum_of_squares(piece):
+    """sum g^2 over a gradient piece, a 0-d array in the gradient's dtype.
+
+    piece: an array (any shape), or an object with .grad (an array) and .where (None, or
+    a boolean mask of grad's shape: the elements that belong to the piece)."""
+    g, where = _piece(piece)
+    xp = namespace(g)
+    squares = g * g
+    if where is not None:
+        checks.shape("where", where, tuple(g.shape))
+        squares = xp.where(where, squares, xp.zeros_like(squares))
+    return xp.sum(squares)
+
+
+def clip_grad_norm(pieces, max_norm: float, sum_squares=None) -> float:
+    """Scale the gradient in place so that its global L2 norm is at most max_norm.
+
+    pieces: the gradient this rank holds, as one array (a flat gradient [N]) or a list of
+    pieces (arrays, or objects with .grad and an optional boolean mask .where, as
+    tfcore.parallel.grads.GradPiece); several pieces may share one buffer, which is
+    scaled once. sum_squares: optional callable(pieces) -> the global sum of squares (a
+    float) when the gradient is spread over ranks (it sums each piece once over the
+    groups that share it); by default the sum of the pieces' sum_of_squares, here.
 
     Returns the norm before clipping. As in PyTorch, the factor is
     max_norm / (norm + 1e-6) when it is below 1 (the 1e-6 guards a zero gradient), so a
-    clipped gradient keeps its direction and has norm just under max_norm.
+    clipped gradient keeps its direction and has norm just under max_norm. A norm that is
+    nan or inf raises FloatingPointError before anything is scaled.
     """
-    checks.float_inputs(grad_flat=grad_flat)
-    checks.ndim("grad_flat", grad_flat, 1)
     checks.positive("max_norm", max_norm)
-    norm = grad_norm(grad_flat)
+    pieces = [pieces] if not isinstance(pieces, (list, tuple)) else list(pieces)
+    if not pieces:
+        raise ValueError("pieces must hold at least one gradient piece")
+    for i, piece in enumerate(pieces):
+        checks.float_inputs(**{f"pieces[{i}]": _piece(piece)[0]})
+    if sum_squares is None:
+        total = sum_of_squares(pieces[0])
+        for piece in pieces[1:]:
+            total = total + sum_of_squares(piece)
+        norm = float(namespace(_piece(pieces[0])[0]).sqrt(total))   # in the gradient's dtype
+    else:
+        norm = math.sqrt(float(sum_squares(pieces)))
     if not math.isfinite(norm):
         raise FloatingPointError(f"the gradient norm is {norm}: a gradient overflowed or is nan")
-    factor = max_norm / (norm + 1e-6)
+    factor = max_norm / (norm + CLIP_GUARD)
     if factor < 1.0:
-        grad_flat *= factor
+        seen = set()
+        for piece in pieces:
+            g = _piece(piece)[0]
+            if id(g) not in seen:
+                seen.add(id(g))
+                g *= factor
     return norm
 
 
@@ -212,18 +262,61 @@ def warmup_cosine(step: int, max_lr: float, warmup_steps: int, total_steps: int,
     return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+class ShardView:
+    """The part of the flat buffers an optimizer updates, and how its gradient reaches it.
+
+    This base view is one device's: the whole buffers (Z = P), the gradient as it is, nothing
+    after the update. A data-parallel strategy (tfcore.parallel.optimizer: replicated,
+    ZeRO-1, ZeRO-2/3) overrides the hooks with its collectives; the optimizer's arithmetic
+    is the same vectorized update on the [Z] arrays the view hands it.
+
+        size(params)            Z, the elements this rank updates (its m and v are [Z])
+        select(params, full)    the view's part [Z] of a per-element array [P] (the decay mask)
+        gradient(params)        the summed gradient of the view [Z]
+        parameters(params)      the values [Z] to update in place
+        publish(params, values) after the update: make params whole again (an all-gather)
+        pieces(grad)            the gradient as pieces for clip_grad_norm
+        sum_squares             None, or the global sum of squares over the ranks' pieces
+    same_on_every_rank: every rank holding the view sees the same gradient, so all take the
+    same decision on a non-finite one (a skip is then safe)."""
+
+    same_on_every_rank = True
+    sum_squares = None
+
+    def size(self, params) -> int:
+        return int(params.data.shape[0])
+
+    def select(self, params, full):
+        return full
+
+    def gradient(self, params):
+        return params.grad
+
+    def parameters(self, params):
+        return params.data
+
+    def publish(self, params, values) -> None:
+        return None
+
+    def pieces(self, grad) -> list:
+        return [grad]
+
+
 class _Optimizer:
-    """Shared by the optimizers: holds `params` (data [N], grad [N]) and the step count.
+    """Shared by the optimizers: holds `params` (data and grad), the shard view, the step
+    count and the clip; step() is the same for every optimizer and every view.
 
     t counts the updates made; skipped counts the steps refused for a non-finite gradient
     when skip_nonfinite is True. Hyperparameters are checked on every assignment.
+    clip: None, or the max_norm of clipping the view's gradient by the global norm before
+    each update (the norm before clipping is kept as last_norm).
     """
 
     kind = "optimizer"
     _buffers: tuple[str, ...] = ()
     _hyper: tuple[str, ...] = ()
 
-    def __init__(self, params, skip_nonfinite: bool = False):
+    def __init__(self, params, skip_nonfinite: bool = False, shard=None, clip=None):
         for attr in ("data", "grad"):
             if not hasattr(params, attr):
                 raise TypeError(f"an optimizer takes a tfcore.nn.Parameters (with .data and "
@@ -231,7 +324,19 @@ class _Optimizer:
         checks.ndim("params.data", params.data, 1)
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+        shard = ShardView() if shard is None else shard
+        if not isinstance(shard, ShardView):
+            raise TypeError(f"shard must be a tfcore.optim.ShardView, got "
+                            f"{type(shard).__name__}")
+        if skip_nonfinite and not shard.same_on_every_rank:
+            raise ValueError(f"skip_nonfinite needs every rank to see the same gradient; "
+                             f"under {type(shard).__name__} each rank holds another shard, "
+                             "so the ranks could disagree on a skip")
         self.params = params
+        self.shard = shard
+        self.size = shard.size(params)                 # Z
+        self.clip = None if clip is None else checks.positive("clip", clip)
+        self.last_norm = None
         self.skip_nonfinite = skip_nonfinite
         self.t = 0  # updates made so far
         self.skipped = 0  # steps skipped for a non-finite gradient
@@ -247,13 +352,34 @@ class _Optimizer:
                      check_hyperparameter("beta2", value[1]))
         object.__setattr__(self, name, value)
 
+    def step(self) -> None:
+        """One update: the view's summed gradient [Z] (a collective under data
+        parallelism), refused if non-finite (FloatingPointError, or a counted skip with
+        skip_nonfinite), clipped with clip, the update in place on the view's values [Z]
+        and the optimizer state, then the view publishes the values."""
+        grad = self.shard.gradient(self.params)                         # [Z]
+        if not self._gradient_is_finite(grad):
+            return
+        if self.clip is not None:
+            self.last_norm = clip_grad_norm(self.shard.pieces(grad), self.clip,
+                                            self.shard.sum_squares)
+        self.t += 1
+        values = self.shard.parameters(self.params)                     # [Z]
+        self._update(values, grad)
+        self.shard.publish(self.params, values)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its buffers, [Z] each)."""
+        return sum(math.prod(getattr(self, name).shape)
+                   * np.dtype(checks.dtype_name(getattr(self, name))).itemsize
+                   for name in self._buffers)
+
     def _zeros(self):
         xp = namespace(self.params.data)
-        return xp.zeros_like(self.params.data)
+        return xp.zeros((self.size,), dtype=self.params.data.dtype)          # [Z]
 
-    def _gradient_is_finite(self) -> bool:
-        """True when params.grad holds no nan or inf; otherwise raise, or count a skip."""
-        grad = self.params.grad
+    def _gradient_is_finite(self, grad) -> bool:
+        """True when grad holds no nan or inf; otherwise raise, or count a skip."""
         if type(grad) is np.ndarray and grad.size:
             # no [P] boolean temporary: the max is nan when any entry is (NumPy's reductions
             # propagate nan), and an inf is the max or the min
@@ -314,7 +440,7 @@ class _Optimizer:
             if name != "lr" and _as_tuple(ours) != _as_tuple(theirs):
                 raise ValueError(f"optimizer state has {name}={theirs!r}, this optimizer "
                                  f"{name}={ours!r}")
-        n = self.params.data.shape[0]
+        n = self.size
         arrays = {}
         for name in self._buffers:
             host = np.asarray(to_numpy(state[name]))
@@ -355,28 +481,25 @@ class SGD(_Optimizer):
     _buffers = ("momentum_buffer",)
     _hyper = ("lr", "momentum")
 
-    def __init__(self, params, lr: float, momentum: float = 0.0, skip_nonfinite: bool = False):
-        super().__init__(params, skip_nonfinite)
+    def __init__(self, params, lr: float, momentum: float = 0.0, skip_nonfinite: bool = False,
+                 shard: ShardView | None = None, clip: float | None = None):
+        super().__init__(params, skip_nonfinite, shard, clip)
         checks.positive("lr", lr)
         self.lr, self.momentum = lr, momentum
-        self.momentum_buffer = self._zeros()
+        self.momentum_buffer = self._zeros()                              # [Z]
 
-    def step(self) -> None:
-        """One update from params.grad, in place on params.data (none for a non-finite
-        gradient: FloatingPointError, or a counted skip with skip_nonfinite)."""
-        if not self._gradient_is_finite():
-            return
-        self.t += 1
-        sgd_update(self.params.data, self.params.grad, self.momentum_buffer, self.lr,
-                   self.momentum)
+    def _update(self, values, grad) -> None:
+        sgd_update(values, grad, self.momentum_buffer, self.lr, self.momentum)
 
 
 class AdamW(_Optimizer):
     """Adam with bias correction and decoupled weight decay over a Parameters.
 
-    weight_decay applies where `decay_mask` is 1; by default `params.decay_mask()` (weight
-    matrices only). `lr` may be changed between steps (a schedule sets it).
-    m, v [N]: the first and second moment estimates, zeros before the first step.
+    weight_decay applies where `decay_mask` [P] is 1; by default `params.decay_mask()`
+    (weight matrices only). `lr` may be changed between steps (a schedule sets it).
+    shard: the ShardView this rank updates (default: the whole buffers, one device);
+    m, v [Z]: the first and second moment estimates of the view, zeros before the first
+    step. clip: max_norm of clipping the view's gradient by its global norm.
     """
 
     kind = "AdamW"
@@ -385,30 +508,26 @@ class AdamW(_Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, decay_mask=None,
-                 skip_nonfinite: bool = False):
-        super().__init__(params, skip_nonfinite)
+                 skip_nonfinite: bool = False, shard: ShardView | None = None,
+                 clip: float | None = None):
+        super().__init__(params, skip_nonfinite, shard, clip)
         checks.positive("lr", lr)
         self.lr, self.betas = lr, betas
         self.eps, self.weight_decay = eps, weight_decay
         if self.weight_decay and decay_mask is None:
             decay_mask = params.decay_mask()
         if decay_mask is not None:
-            checks.shape("decay_mask", decay_mask, tuple(params.data.shape))
+            decay_mask = self.shard.select(params, decay_mask)             # [Z]
+            checks.shape("decay_mask", decay_mask, (self.size,))
             xp = namespace(params.data)
             decay_mask = xp.astype(decay_mask, params.data.dtype)
         self.decay_mask = decay_mask
-        self.m = self._zeros()
+        self.m = self._zeros()                                             # [Z]
         self.v = self._zeros()
 
-    def step(self) -> None:
-        """One update from params.grad, in place on params.data, m and v (none for a
-        non-finite gradient: FloatingPointError, or a counted skip with skip_nonfinite)."""
-        if not self._gradient_is_finite():
-            return
-        self.t += 1
-        adamw_update(self.params.data, self.params.grad, self.m, self.v, self.t, self.lr,
-                     self.betas[0], self.betas[1], self.eps, self.weight_decay,
-                     self.decay_mask)
+    def _update(self, values, grad) -> None:
+        adamw_update(values, grad, self.m, self.v, self.t, self.lr, self.betas[0],
+                     self.betas[1], self.eps, self.weight_decay, self.decay_mask)
 
 
 class Adam(AdamW):
@@ -418,9 +537,10 @@ class Adam(AdamW):
     _hyper = ("lr", "betas", "eps")
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, skip_nonfinite: bool = False):
+                 eps: float = 1e-8, skip_nonfinite: bool = False,
+                 shard: ShardView | None = None, clip: float | None = None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=0.0,
-                         skip_nonfinite=skip_nonfinite)
+                         skip_nonfinite=skip_nonfinite, shard=shard, clip=clip)
 
 
 OPTIMIZERS = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}

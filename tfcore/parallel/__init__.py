@@ -5,7 +5,7 @@ interface.
     mappings    f, g and the sequence-parallel gathers/scatters as forward/backward pairs
     layers      column/row-parallel linears, vocab-parallel embedding and cross-entropy
     model       TensorParallelDecoder, sharded by parameter name from a DecoderLM
-    optimizer   DataParallelAdamW (replicated or ZeRO-1)
+    optimizer   the sharding strategies of optim's one AdamW: Replicated, ZeRO1, ZeRO23
     fsdp        ZeRO-2 and ZeRO-3 (FSDP): units gathered before use and freed, a memory ledger
     layout      Layout: the degrees and options of a run, and validate(config), the one
                 list of the combinations that do not train (REFUSALS)
@@ -30,6 +30,6 @@ from .comm import (  # noqa: F401
 from .layout import REFUSALS, Layout, LayoutError  # noqa: F401
 from .mesh import Mesh  # noqa: F401
 from .model import TensorParallelDecoder  # noqa: F401
-from .optimizer import DataParallelAdamW  # noqa: F401
+from .optimizer import Replicated, ZeRO1, ZeRO23  # noqa: F401
 from .pipeline import bubble_fraction, peak_stored_microbatches  # noqa: F401
 from .planning import Plan, plan  # noqa: F401

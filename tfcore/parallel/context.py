@@ -51,7 +51,7 @@ from ..models.blocks import (mlp_sublayer_backward, mlp_sublayer_forward, repeat
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
 from .comm import chunk_bounds
 from .layout import Layout
-from .optimizer import DataParallelAdamW
+from .optimizer import Replicated, adamw
 
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
 
@@ -386,7 +386,7 @@ class ContextParallelDecoder:
 
     forward(ids, targets, seq_len) -> (logits [B, S_r, V] of this rank's positions, loss:
     the mean over every counted token of the whole sequence); backward() adds this rank's
-    gradients into params.grad (sum them over the group: DataParallelAdamW over `cp`).
+    gradients into params.grad (sum them over the group: optimizer.Replicated over `cp`).
     Every op but attention is per token; positions (learned, sinusoidal or rotary) are
     those of the rank's chunks in the whole sequence.
     """
@@ -555,7 +555,8 @@ def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, 
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(comm, full, ids, targets)
     model.load_full(full)
-    opt = DataParallelAdamW(model.params, comm, **hyper)
+    shard = Replicated(comm, reduce=False)          # summed below, before the copy of grads
+    opt = adamw(model.params, shard, hyper)
     losses, grads = [], None
     for t in range(steps):
         model.params.zero_grad()
@@ -563,9 +564,9 @@ def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, 
                                 backend.asarray(layout.shard(targets[t], comm.rank)), seq)
         losses.append(float(loss))
         model.backward()
-        opt.reduce_gradients()
+        shard.reduce_gradients(model.params)
         grads = np.array(backend.to_numpy(model.params.grad), copy=True)
-        opt.step(reduced=True)
+        opt.step()
     return dict(losses=losses, params=np.array(backend.to_numpy(model.params.data)),
                 grads=grads)
 

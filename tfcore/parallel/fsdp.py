@@ -49,13 +49,13 @@ import numpy as np
 from .. import backend, checks, nn
 from .. import functional as F
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
-from ..optim import adamw_update
 from . import layers as L
 from .comm import chunk_bounds
-from .grads import clip_grad_norm, parallel_pieces, tensor_parallel_mask
+from .grads import tensor_parallel_mask
 from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
+from .optimizer import ZeRO23, adamw
 
 STAGES = (2, 3)
 KINDS = ("params", "grads", "optimizer")
@@ -227,7 +227,7 @@ class ShardedDecoder(TensorParallelDecoder):
 
         model = ShardedDecoder(config, mesh.tp, mesh.dp, stage=3).load_full(full_params)
         logits, loss = model.forward(ids, targets, batch_rows=...); model.backward()
-        ShardedAdamW(model, **hyper).step()
+        adamw(ZeRO23.buffers(model), ZeRO23(model), hyper).step()
 
     Holds: shard_grad [Z_d]; stage 3: shard [Z_d]; stage 2: data [P] (the whole local
     parameters). `ledger` counts them and every transient unit buffer.
@@ -235,7 +235,7 @@ class ShardedDecoder(TensorParallelDecoder):
 
     def __init__(self, config: DecoderConfig, tp, dp, stage: int = 3):
         if stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES} (ZeRO-1 is DataParallelAdamW), "
+            raise ValueError(f"stage must be one of {STAGES} (ZeRO-1 is optimizer.ZeRO1), "
                              f"got {stage!r}")
         if backend.get_backend() != "numpy":
             raise ValueError("ZeRO-2/3 here run on the NumPy backend (host arrays)")
@@ -463,50 +463,6 @@ class ShardedDecoder(TensorParallelDecoder):
         self.shard_grad[...] = 0.0
 
 
-class ShardedAdamW:
-    """AdamW on a ShardedDecoder's shard: m, v [Z_d]; adamw_update on the shard; stage 2 then
-    all-gathers each unit into the whole parameters, stage 3 keeps the shard. clip: the
-    max_norm of clipping by the global norm, the shard_grad [Z_d] being sharded over dp
-    (and over tp where the layout shards a tensor); the norm is kept as last_norm."""
-
-    def __init__(self, model: ShardedDecoder, lr: float = 1e-3, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-                 clip: float | None = None):
-        self.model = model
-        self.clip = None if clip is None else checks.positive("clip", clip)
-        self.last_norm = None
-        self.hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        units = model.units.values()
-        self.mask = np.concatenate([model.chunk_of(u, model.decay) for u in units])  # [Z_d]
-        self.m = np.zeros(model.shard_size, dtype=model.dtype)                 # [Z_d]
-        self.v = np.zeros(model.shard_size, dtype=model.dtype)
-        model.ledger.hold("optimizer", self.m, "m")
-        model.ledger.hold("optimizer", self.v, "v")
-        self.t = 0
-
-    def state_bytes(self) -> int:
-        return self.m.nbytes + self.v.nbytes
-
-    def step(self):
-        self.t += 1
-        model = self.model
-        if self.clip is not None:
-            pieces = parallel_pieces(model.shard_grad, model.shard_tp_mask, model.tp,
-                                     model.dp)
-            self.last_norm = clip_grad_norm(pieces, self.clip)
-        if model.stage == 3:
-            adamw_update(model.shard, model.shard_grad, self.m, self.v, self.t,
-                         decay_mask=self.mask, **self.hyper)
-            return
-        units = list(model.units.values())
-        shard = np.concatenate([model.chunk_of(u, model.data) for u in units])   # [Z_d]
-        adamw_update(shard, model.shard_grad, self.m, self.v, self.t, decay_mask=self.mask,
-                     **self.hyper)
-        for u in units:
-            model.data[u.start:u.stop] = model.dp.all_gather_flat(
-                shard[u.shard_start:u.shard_stop], u.bounds)
-
-
 def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,
                   tp: int = 1, dp: int | None = None, stage: int = 3, seed: int = 0,
                   hyper=None, gather: bool = True, clip: float | None = None):
@@ -528,7 +484,9 @@ def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(world, full, ids, targets)
     model.load_full(full)
-    opt = ShardedAdamW(model, clip=clip, **hyper)
+    opt = adamw(ZeRO23.buffers(model), ZeRO23(model), hyper, clip=clip)
+    model.ledger.hold("optimizer", opt.m, "m")                          # [Z_d] each
+    model.ledger.hold("optimizer", opt.v, "v")
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
     losses, step_calls, times, norms = [], [], [], []
@@ -554,5 +512,5 @@ def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int
                 state_bytes=opt.state_bytes(), times=times, norms=norms)
 
 
-__all__ = ["ShardedDecoder", "ShardedAdamW", "Ledger", "train_sharded", "unit_names",
+__all__ = ["ShardedDecoder", "Ledger", "train_sharded", "unit_names",
            "unit_uses"]

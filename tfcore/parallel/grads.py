@@ -43,8 +43,9 @@ sharded_over, where):
 
 Every rank must pass pieces with the same list of distinct groupings, in any order (an
 empty array where it holds none): the partial sums are all-reduced one grouping at a
-time, in the order of the groups' names. clip_grad_norm scales by
-min(1, max_norm / (||g|| + 1e-6)) as torch.nn.utils.clip_grad_norm_ does.
+time, in the order of the groups' names (global_sum_of_squares); tfcore.optim.clip_grad_norm
+(pieces, max_norm, global_sum_of_squares) scales by min(1, max_norm / (||g|| + 1e-6)) as
+torch.nn.utils.clip_grad_norm_ does.
 """
 from __future__ import annotations
 
@@ -56,8 +57,7 @@ import numpy as np
 
 from .. import backend, checks
 from ..models.decoder import IGNORE_INDEX
-
-CLIP_GUARD = 1e-6          # added to the norm before dividing (as PyTorch)
+from ..optim import sum_of_squares
 
 
 # -- accumulation ------------------------------------------------------------------------------
@@ -227,23 +227,18 @@ class GradPiece:
     where: object = None               # optional bool mask, grad's shape
 
 
-def global_grad_norm(pieces) -> float:
-    """sqrt(sum of squares over the whole model), each element counted once (collective
-    over each grouping's groups)."""
+def global_sum_of_squares(pieces) -> float:
+    """sum of the squares over the whole model, each element counted once: each piece's
+    local sum (tfcore.optim.sum_of_squares), added per grouping, all-reduced over each
+    grouping's groups (a collective). The sum_squares of tfcore.optim.clip_grad_norm."""
     sums: dict = {}
     for piece in pieces:
         if not isinstance(piece, GradPiece):
             raise TypeError(f"pieces must be GradPiece objects, got {type(piece).__name__}")
         groups = tuple(sorted(piece.sharded_over, key=lambda g: g.name))
         key = tuple(g.name for g in groups)
-        g = piece.grad
-        xp = backend.namespace(g)
-        squares = g * g
-        if piece.where is not None:
-            checks.shape("where", piece.where, tuple(g.shape))
-            squares = xp.where(piece.where, squares, xp.zeros_like(squares))
         total, _ = sums.get(key, (0.0, groups))
-        sums[key] = (total + float(xp.sum(squares)), groups)
+        sums[key] = (total + float(sum_of_squares(piece)), groups)
     norm_sq = 0.0
     for key in sorted(sums):
         value, groups = sums[key]
@@ -251,29 +246,12 @@ def global_grad_norm(pieces) -> float:
             if group.size > 1:
                 value = float(group.all_reduce(backend.asarray(np.array([value])))[0])
         norm_sq += value
-    return math.sqrt(norm_sq)
+    return norm_sq
 
 
-def clip_coefficient(norm: float, max_norm) -> float:
-    """min(1, max_norm / (norm + 1e-6)); max_norm must be positive and finite."""
-    max_norm = checks.positive("max_norm", max_norm)
-    return min(1.0, max_norm / (norm + CLIP_GUARD))
-
-
-def clip_grad_norm(pieces, max_norm) -> float:
-    """Scale every piece's grad in place by clip_coefficient(global norm); -> the norm
-    before clipping. A buffer shared by several pieces is scaled once."""
-    checks.positive("max_norm", max_norm)
-    pieces = list(pieces)
-    norm = global_grad_norm(pieces)
-    scale = clip_coefficient(norm, max_norm)
-    if scale < 1.0:
-        seen = set()
-        for piece in pieces:
-            if id(piece.grad) not in seen:
-                seen.add(id(piece.grad))
-                piece.grad *= scale
-    return norm
+def global_grad_norm(pieces) -> float:
+    """sqrt(global_sum_of_squares(pieces)): the norm of the whole model's gradient."""
+    return math.sqrt(global_sum_of_squares(pieces))
 
 
 def tensor_parallel_mask(model):

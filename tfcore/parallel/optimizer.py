@@ -1,4 +1,9 @@
-"""Data-parallel AdamW over the flat buffers: replicated state, or ZeRO stage 1.
+"""The data-parallel sharding strategies of the one optimizer (tfcore.optim's AdamW and SGD).
+
+A strategy is a tfcore.optim.ShardView: it says which part [Z] of the flat buffers this rank
+updates, how the summed gradient of that part reaches it, and what happens after the update.
+The optimizer's arithmetic is the same on every view, elementwise, so every strategy gives
+one device's parameters.
 
 The loss of every data-parallel rank is already divided by the number of counted tokens of
 the whole global batch (vocab_parallel_cross_entropy_forward sums the counts over dp), so
@@ -6,74 +11,177 @@ the global gradient is the *sum* of the ranks' gradients: with equal counts this
 mean of the ranks' mean-loss gradients; with unequal counts the mean of means would weight
 a token of a short batch more than a token of a long one.
 
-* replicated (zero=False): all-reduce the gradient buffer [P]; every rank runs the same
-  adamw_update on the whole buffer, keeping m and v [P] each.
-* ZeRO-1 (zero=True): reduce-scatter the gradient, so rank d gets the summed gradient of its
-  chunk [P_d] (chunk_bounds); it keeps m and v for that chunk only, updates that chunk of
-  the parameters with adamw_update, and an all-gather gives every rank the whole buffer.
-  Same arithmetic, elementwise, hence the same parameters; a ring reduce-scatter plus a
-  ring all-gather move exactly what one ring all-reduce moves.
+* Replicated(dp): all-reduce the gradient buffer [P] (unless reduce=False: the caller sums
+  it first, with buckets or reduce_gradients()); every rank updates the whole buffer and
+  keeps m and v [P] each.
+* ZeRO1(dp): reduce-scatter the gradient, so rank d gets the summed gradient of its chunk
+  [P_d] (chunk_bounds); it keeps m and v for that chunk only, updates that chunk of the
+  parameters, and an all-gather gives every rank the whole buffer. A ring reduce-scatter
+  plus a ring all-gather move exactly what one ring all-reduce moves.
+* ZeRO23(model): a ShardedDecoder (tfcore.parallel.fsdp) reduce-scatters each unit's
+  gradient during its backward into shard_grad [Z_d]; the update runs on the shard (stage
+  3: the parameters' shard itself; stage 2: this rank's chunks of the whole parameters [P],
+  all-gathered unit by unit after the update).
 
-clip (optional): a function clip(grad, (start, stop)) called on the reduced gradient this
-rank updates, the whole buffer [P] or its ZeRO-1 chunk [P_d] at (start, stop), before the
-update; it scales grad in place and returns the global norm (grads.clip_grad_norm over the
-pieces it builds), kept as `last_norm`.
+Clipping (the optimizer's clip=max_norm) takes the view's gradient as pieces for
+tfcore.optim.clip_grad_norm, with grads.global_sum_of_squares summing each element once
+over the groups: tp_mask (bool [P]) marks the tensor-parallel shards (split over tp), the
+rest is replicated over tp; a ZeRO chunk or shard is split over dp; pp (a pipeline group)
+and counted (bool [P], False for a copy another rank counts) as in grads.parallel_pieces.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import backend
-from ..optim import adamw_update
+from ..optim import AdamW, ShardView
 from .comm import chunk_bounds
+from .grads import GradPiece, global_sum_of_squares, parallel_pieces
 
 
-class DataParallelAdamW:
-    def __init__(self, params, dp, zero: bool = False, lr: float = 1e-3, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-                 clip=None):
-        self.params, self.dp, self.zero = params, dp, zero
-        self.clip, self.last_norm = clip, None
-        self.hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        self.bounds = chunk_bounds(params.size, dp.size)
-        xp = backend.namespace(params.data)
-        mask = params.decay_mask()
-        start, stop = self.bounds[dp.rank] if zero else (0, params.size)
-        self.slice = (start, stop)
-        self.mask = xp.asarray(mask[start:stop], copy=True)
-        self.m = xp.zeros((stop - start,), dtype=params.data.dtype)      # [P_d] or [P]
-        self.v = xp.zeros((stop - start,), dtype=params.data.dtype)
-        self.t = 0
+class _DataParallel(ShardView):
+    """A contiguous range (a, b) of the flat buffers over the data-parallel group dp."""
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (m and v)."""
-        return 2 * self.m.shape[0] * np.dtype(self.params.dtype).itemsize
+    sharded = False                   # the dp ranks hold disjoint chunks (ZeRO)
 
-    def reduce_gradients(self):
-        """Replicated mode: params.grad <- sum over dp of params.grad (in place)."""
-        if self.zero:
-            raise RuntimeError("with ZeRO-1 the gradients are reduce-scattered inside step()")
+    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None):
+        if tp_mask is not None and tp is None:
+            raise ValueError("tp_mask needs the tensor-parallel group tp")
+        self.dp, self.tp, self.tp_mask, self.pp, self.counted = dp, tp, tp_mask, pp, counted
+        self.bounds = None            # (a, b): set by size(), from the parameters' size
+
+    def size(self, params) -> int:
+        n = int(params.data.shape[0])
+        self.bounds = chunk_bounds(n, self.dp.size)[self.dp.rank] if self.sharded else (0, n)
+        return self.bounds[1] - self.bounds[0]
+
+    def select(self, params, full):
+        a, b = self.bounds
+        return full[a:b]
+
+    sum_squares = staticmethod(global_sum_of_squares)
+
+    def pieces(self, grad) -> list:
+        a, b = self.bounds
+        dp = self.dp if self.sharded else None
+        counted = None if self.counted is None else self.counted[a:b]
+        if self.tp is None:
+            if counted is not None:
+                raise ValueError("counted needs the tensor-parallel group tp")
+            return [GradPiece(grad, tuple(g for g in (dp, self.pp) if g is not None))]
+        mask = self.tp_mask
+        if mask is None:
+            xp = backend.namespace(grad)
+            mask = xp.zeros((self.bounds[1],), dtype=xp.bool)
+        return parallel_pieces(grad, mask[a:b], self.tp, dp, self.pp, counted)
+
+
+class Replicated(_DataParallel):
+    """Every dp rank updates the whole buffers from the all-reduced gradient.
+    reduce=False: the caller has summed params.grad over dp before step() (buckets that
+    overlap the backward, or reduce_gradients() timed on its own)."""
+
+    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, reduce: bool = True):
+        super().__init__(dp, tp, tp_mask, pp, counted)
+        self.reduce = reduce
+
+    def reduce_gradients(self, params) -> None:
+        """params.grad <- sum over dp of params.grad (in place)."""
         if self.dp.size > 1:
-            self.params.grad[...] = self.dp.all_reduce(self.params.grad)
+            params.grad[...] = self.dp.all_reduce(params.grad)
 
-    def step(self, reduced: bool = False):
-        """Reduce the gradients over dp (unless `reduced`: reduce_gradients() ran already),
-        update, and (ZeRO) gather the parameters."""
-        self.t += 1
-        p = self.params
-        if not self.zero:
-            if not reduced:
-                self.reduce_gradients()
-            if self.clip is not None:
-                self.last_norm = self.clip(p.grad, self.slice)
-            adamw_update(p.data, p.grad, self.m, self.v, self.t, decay_mask=self.mask,
-                         **self.hyper)
+    def gradient(self, params):
+        if self.reduce:
+            self.reduce_gradients(params)
+        return params.grad                                               # [P]
+
+
+class ZeRO1(_DataParallel):
+    """ZeRO stage 1: the gradient reduce-scattered, this rank's chunk [P_d] updated, the
+    parameters all-gathered."""
+
+    sharded = True
+    same_on_every_rank = False
+
+    def gradient(self, params):
+        return self.dp.reduce_scatter_flat(params.grad, self._all_bounds(params))   # [P_d]
+
+    def parameters(self, params):
+        xp = backend.namespace(params.data)
+        a, b = self.bounds
+        return xp.asarray(params.data[a:b], copy=True)                   # [P_d]
+
+    def publish(self, params, values) -> None:
+        params.data[...] = self.dp.all_gather_flat(values, self._all_bounds(params))
+
+    def _all_bounds(self, params):
+        return chunk_bounds(int(params.data.shape[0]), self.dp.size)
+
+
+class ZeRO23(ShardView):
+    """ZeRO stage 2 or 3 over a ShardedDecoder: the gradient is its shard_grad [Z_d]
+    (reduce-scattered unit by unit during the backward). Pass `ZeRO23.buffers(model)` as
+    the optimizer's params."""
+
+    same_on_every_rank = False
+    sum_squares = staticmethod(global_sum_of_squares)
+
+    def __init__(self, model):
+        self.model = model
+
+    @staticmethod
+    def buffers(model):
+        return _UnitBuffers(model)
+
+    def size(self, params) -> int:
+        return int(self.model.shard_size)
+
+    def select(self, params, full):                                    # [P] -> [Z_d]
+        return np.concatenate([self.model.chunk_of(u, full) for u in self.model.units.values()])
+
+    def gradient(self, params):
+        return self.model.shard_grad                                     # [Z_d]
+
+    def parameters(self, params):
+        model = self.model
+        if model.stage == 3:
+            return model.shard                                           # [Z_d], in place
+        return self.select(params, model.data)                           # [Z_d], a copy
+
+    def publish(self, params, values) -> None:
+        model = self.model
+        if model.stage == 3:
             return
-        xp = backend.namespace(p.data)
-        a, b = self.slice
-        grad = self.dp.reduce_scatter_flat(p.grad, self.bounds)            # [P_d]
-        if self.clip is not None:
-            self.last_norm = self.clip(grad, self.slice)
-        shard = xp.asarray(p.data[a:b], copy=True)                          # [P_d]
-        adamw_update(shard, grad, self.m, self.v, self.t, decay_mask=self.mask, **self.hyper)
-        p.data[...] = self.dp.all_gather_flat(shard, self.bounds)
+        for u in model.units.values():
+            model.data[u.start:u.stop] = model.dp.all_gather_flat(
+                values[u.shard_start:u.shard_stop], u.bounds)
+
+    def pieces(self, grad) -> list:
+        model = self.model
+        return parallel_pieces(grad, model.shard_tp_mask, model.tp, model.dp)
+
+
+class _UnitBuffers:
+    """A ShardedDecoder's buffers as the optimizer's params: data (stage 3: the shard
+    [Z_d]; stage 2: the whole parameters [P]), grad (the shard [Z_d]), the decay mask [P]."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @property
+    def data(self):
+        return self.model.shard if self.model.stage == 3 else self.model.data
+
+    @property
+    def grad(self):
+        return self.model.shard_grad
+
+    def decay_mask(self):
+        return self.model.decay
+
+
+def adamw(params, shard: ShardView, hyper: dict, clip: float | None = None) -> AdamW:
+    """tfcore.optim.AdamW over `shard` from a dict of lr, beta1, beta2, eps, weight_decay
+    (the runners' HYPER)."""
+    return AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                 eps=hyper["eps"], weight_decay=hyper["weight_decay"], shard=shard, clip=clip)

@@ -49,7 +49,7 @@ from . import layers as L
 from .mesh import Mesh
 from .layout import SCHEDULES, Layout
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
-from .optimizer import DataParallelAdamW
+from .optimizer import Replicated, adamw
 
 
 # ---------------------------------------------------------------------------------------
@@ -521,7 +521,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
 
     clip: max_norm of clipping by the global norm (as train_single's), over the stages
     (every piece sharded over pp), tp inside them, the tied wte counted once."""
-    from .grads import clip_grad_norm, parallel_pieces, tensor_parallel_mask
+    from .grads import tensor_parallel_mask
     from .runner import HYPER, check_same_start, make_batches
 
     hyper = dict(HYPER, **(hyper or {}))
@@ -547,14 +547,11 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     tied = None
     if config.tied_head and p > 1 and r in (0, p - 1):
         tied = mesh.pp.subgroup([0, p - 1], name="embedding")
-    clip_fn = None
-    if max_norm is not None:
-        tp_mask, counted = tensor_parallel_mask(stage), counted_mask(stage)   # [P_local]
-
-        def clip_fn(grad, bounds):          # the stage's whole gradient, reduced over dp
-            return clip_grad_norm(parallel_pieces(grad, tp_mask, mesh.tp, pp=mesh.pp,
-                                                  counted=counted), max_norm)
-    opt = DataParallelAdamW(stage.params, mesh.dp, clip=clip_fn, **hyper)
+    shard = Replicated(mesh.dp)
+    if max_norm is not None:            # the stage's whole gradient, reduced over dp
+        shard = Replicated(mesh.dp, mesh.tp, tensor_parallel_mask(stage), pp=mesh.pp,
+                           counted=counted_mask(stage))                    # [P_local] each
+    opt = adamw(stage.params, shard, hyper, clip=max_norm)
     rows = batch // mesh.dp_size
     b0 = mesh.dp_rank * rows
     micro = rows // n_microbatches
@@ -591,7 +588,8 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     params = gather_full(stage, mesh, config, "data") if gather else None
     return dict(losses=losses, params=params, grads=grads, record=out["record"],
                 peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],
-                chunk_bytes=out["chunk_bytes"], sent=sent, norms=norms if clip_fn else [],
+                chunk_bytes=out["chunk_bytes"], sent=sent,
+                norms=norms if max_norm is not None else [],
                 coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), local_params=stage.params.size)
 
 

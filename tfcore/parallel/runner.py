@@ -11,21 +11,18 @@ import numpy as np
 from .. import backend, checks
 from .. import functional as F
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
-from ..optim import adamw_update
+from ..optim import ShardView, clip_grad_norm
 from .grads import (
     GradientBuckets,
-    GradPiece,
     accumulation_weights,
     check_micro_batches,
-    clip_grad_norm,
-    parallel_pieces,
     split_micro_batches,
     tensor_parallel_mask,
 )
 from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
-from .optimizer import DataParallelAdamW
+from .optimizer import Replicated, ZeRO1, adamw
 
 CONFIGS = {
     # small enough for a test, big enough to split 4 ways (heads, d_ff) and unevenly (V)
@@ -105,8 +102,7 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
     hyper = dict(HYPER, **(hyper or {}))
     model = DecoderLM(config).init(seed)
     p = model.params
-    m, v = p.data * 0, p.data * 0
-    mask = p.decay_mask()
+    opt = adamw(p, ShardView(), hyper)
     ids, targets = make_batches(config, steps, batch, seq, seed)
     losses, norms = [], []
     for t in range(steps):
@@ -128,9 +124,9 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
                 model.backward(F.cross_entropy_backward(w, c_loss))
             losses.append(total)
         if max_norm is not None:
-            norms.append(clip_grad_norm([GradPiece(p.grad)], max_norm))
+            norms.append(clip_grad_norm(p.grad, max_norm))
         grads = np.array(backend.to_numpy(p.grad), copy=True)
-        adamw_update(p.data, p.grad, m, v, t + 1, decay_mask=mask, **hyper)
+        opt.step()
     return dict(losses=losses, params=np.array(backend.to_numpy(p.data)), grads=grads,
                 norms=norms)
 
@@ -166,15 +162,11 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(world, full, ids, targets)
     model.load_full(full)
-    clip_fn = None
-    if max_norm is not None:
-        tp_mask = tensor_parallel_mask(model)                              # bool [P_local]
-
-        def clip_fn(grad, bounds):
-            pieces = parallel_pieces(grad, tp_mask[bounds[0]:bounds[1]], mesh.tp,
-                                     mesh.dp if zero else None)
-            return clip_grad_norm(pieces, max_norm)
-    opt = DataParallelAdamW(model.params, mesh.dp, zero=zero, clip=clip_fn, **hyper)
+    tp_mask = None if max_norm is None else tensor_parallel_mask(model)    # bool [P_local]
+    # replicated: the gradient is summed below (buckets, or reduce_gradients timed alone)
+    shard = (ZeRO1(mesh.dp, mesh.tp, tp_mask) if zero
+             else Replicated(mesh.dp, mesh.tp, tp_mask, reduce=False))
+    opt = adamw(model.params, shard, hyper, clip=max_norm)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
     losses, grads, step_calls, times, norms, exposed = [], None, [], [], [], []
@@ -201,9 +193,9 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
             buckets.finish()
             exposed.append(buckets.exposed)
         elif not zero:
-            opt.reduce_gradients()
+            shard.reduce_gradients(model.params)
             exposed.append(time.perf_counter() - waited)
-        opt.step(reduced=not zero)
+        opt.step()
         norms.append(opt.last_norm)
         step_calls.append(world.traffic.calls[before:])
         times.append(time.perf_counter() - start)
