@@ -12,6 +12,8 @@ interface.
     mesh        Mesh: the DP x TP groups (DP x PP x TP with pipeline stages)
     pipeline    stages, micro-batches, schedules as data (GPipe, 1F1B, interleaved), bubble
     context     ring attention over the sequence, ContextParallelDecoder
+    experts     expert parallelism: experts sharded over a group, dispatch and combine
+                over all_to_allv as forward/backward pairs, the expert-parallel MoE layer
     volume      closed forms of bytes per collective and per step, parameters per rank
     runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
     planning    plan(config, dp=, tp=, ...), the calculator: memory per rank, bytes per

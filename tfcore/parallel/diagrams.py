@@ -361,7 +361,7 @@ def zero1_layout(params, dp: int) -> dict:
     """The tensors of a flat parameter buffer and the ZeRO-1 chunks of dp ranks over it.
 
     -> dict(tensors [(name, start, stop)] in buffer order, bounds [(start, stop)] per rank
-            (chunk_bounds, the bounds DataParallelAdamW uses), size P)."""
+            (chunk_bounds, the bounds the ZeRO1 strategy uses), size P)."""
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp!r}")
     tensors = [(name, *params.offsets[name]) for name in params.names]
