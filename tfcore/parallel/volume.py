@@ -99,9 +99,10 @@ def local_parameters(config, tp: int, t: int) -> int:
 
 def step_collectives(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool,
                      zero: bool) -> list[tuple[str, str, int]]:
-    """[(group, op, M)] of one training step of TensorParallelDecoder + AdamW (Replicated or ZeRO1),
-    as the model's structure says (forward, backward, optimizer), for tensor-parallel rank
-    t = 0 (the replicated tensors and the vocab rows of rank t enter through P_t below)."""
+    """[(group, op, M)] of one training step of TensorParallelDecoder + AdamW (its Replicated
+    or ZeRO1 strategy), as the model's structure says (forward, backward, optimizer), for
+    tensor-parallel rank t = 0 (the replicated tensors and the vocab rows of rank t enter
+    through P_t below)."""
     L = config.n_layers
     act = batch_local * seq * config.d_model                  # [B_loc, S, D]
     tok = batch_local * seq                                   # [B_loc, S]
