@@ -49,6 +49,7 @@ from typing import NamedTuple
 from .. import backend, checks
 from ..backend import matmul, namespace
 from .activations import (
+    GELU_APPROXIMATIONS,
     _sigmoid,
     gelu_backward,
     gelu_forward,
@@ -195,6 +196,9 @@ class DispatchPlan(NamedTuple):
 
 def capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor) -> int | None:
     """C = ceil(capacity_factor T K / N_E), or None for dropless routing (capacity_factor None)."""
+    n_tokens = checks.integer("n_tokens", n_tokens, least=0)
+    top_k = checks.integer("top_k", top_k, least=1)
+    n_experts = checks.integer("n_experts", n_experts, least=1)
     if capacity_factor is None:
         return None
     capacity_factor = checks.positive("capacity_factor", capacity_factor)
@@ -363,6 +367,7 @@ def expert_mlp_forward(xe, W_fc, b_fc, W_proj, b_proj, activation: str = "gelu",
     xp = checks.float_inputs(xe=xe, W_fc=W_fc, b_fc=b_fc, W_proj=W_proj, b_proj=b_proj,
                              W_gate=W_gate, b_gate=b_gate)
     activation = checks.choice("activation", activation, EXPERT_ACTIVATIONS)
+    approximate = checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
     checks.ndim("xe", xe, 3)
     checks.ndim("W_fc", W_fc, 3)
     n_experts, width, hidden_width = W_fc.shape
