@@ -63,6 +63,8 @@ class Spec:
     scalar_loss: bool = False               # the backward takes a scalar upstream gradient
     any_dtype: bool = False                 # a layout op: integer, bool, float16 arrays are fine
     check: Callable[[dict, np.ndarray], None] | None = None
+    id_high: Callable[[dict], int] | None = None    # ids lie in [0, id_high(inputs)); default V
+    upstream: Callable | None = None        # the forward's output the backward's gradient matches
 
     def assert_correct(self, inputs, out):
         """out (NumPy) is the correct result: 1e-10 in float64, 1e-5 for a float32 result."""
@@ -437,6 +439,272 @@ def _rope():
                 backward=getattr(F, "rope_backward", None))
 
 
+# The mixture of experts (tfcore.functional.moe). Each reference follows the rules stated in
+# the module's docstring, written here with plain NumPy loops.
+
+
+def _sigmoid_np(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def _distinct_experts(rng, tokens, n_experts, top_k):
+    """[tokens, top_k] integers: top_k distinct experts in each row."""
+    return np.argsort(rng.random((tokens, n_experts)), axis=1)[:, :top_k]
+
+
+def _plan_reference(experts, n_experts, capacity_factor):
+    """The dispatch plan, assignment by assignment: expert e takes the assignments routed to it
+    in token order and keeps its first C, C = ceil(c T K / N_E) (or, dropless, the largest
+    load). -> (T, K, N_E, C, token [A], flat [A], dest [A], kept [T, K], load, kept_load)."""
+    experts = np.asarray(experts, np.int64)
+    tokens, top_k = experts.shape
+    load = np.zeros(n_experts, np.int64)
+    position = np.zeros((tokens, top_k), np.int64)
+    for t in range(tokens):
+        for k in range(top_k):
+            position[t, k] = load[experts[t, k]]
+            load[experts[t, k]] += 1
+    if capacity_factor is None:
+        cap = int(load.max()) if tokens else 0
+    else:
+        cap = math.ceil(capacity_factor * tokens * top_k / n_experts)
+    kept = position < cap
+    kept_load = np.zeros(n_experts, np.int64)
+    token, flat, dest = [], [], []
+    for t in range(tokens):
+        for k in range(top_k):
+            if kept[t, k]:
+                e = experts[t, k]
+                kept_load[e] += 1
+                token.append(t)
+                flat.append(t * top_k + k)
+                dest.append(e * cap + position[t, k])
+    return (tokens, top_k, n_experts, cap, np.array(token, np.int64), np.array(flat, np.int64),
+            np.array(dest, np.int64), kept, load, kept_load)
+
+
+BAD_CAPACITY = [0.0, -1.0, math.inf, math.nan, "1", True]
+BAD_COUNT = [0, -1, 2.5, True, "4", None]
+
+
+@spec("router_forward")
+def _router():
+    def inputs(rng):
+        n_experts = int(rng.integers(3, 6))
+        return dict(logits=rng.standard_normal((int(rng.integers(2, 5)), n_experts)), top_k=2,
+                    score=str(rng.choice(["softmax", "sigmoid"])),
+                    normalize=bool(rng.integers(2)), bias=0.1 * rng.standard_normal(n_experts))
+
+    def reference(i):
+        z, score = i["logits"], i["score"]
+        s = _softmax(z) if score == "softmax" else _sigmoid_np(z)        # [T, N_E]
+        probs = s / s.sum(-1, keepdims=True)
+        select = s if i["bias"] is None else s + i["bias"]
+        experts = np.argsort(-select, axis=-1, kind="stable")[:, : i["top_k"]]
+        gates = np.take_along_axis(s, experts, axis=-1)
+        normalize = (score == "sigmoid") if i["normalize"] is None else i["normalize"]
+        if normalize:
+            gates = gates / gates.sum(-1, keepdims=True)
+        return gates, experts, probs
+
+    return Spec(inputs, reference, floats=("logits", "bias"),
+                settings=dict(top_k=[0, -1, 99, 1.5, True, "2", None],
+                              score=["tanh", "Softmax", None, 1],
+                              normalize=["yes", 1, 0.0]),
+                backward=F.router_backward, upstream=lambda out: out[0])
+
+
+@spec("capacity")
+def _capacity():
+    return Spec(lambda rng: dict(n_tokens=10, top_k=2, n_experts=4, capacity_factor=1.1),
+                lambda i: np.asarray(6), pair=False,       # ceil(1.1 * 10 * 2 / 4) = ceil(5.5)
+                settings=dict(n_tokens=[-1, 2.5, True, "10", None],
+                              top_k=[0, -1, 1.5, True, None], n_experts=BAD_COUNT,
+                              capacity_factor=BAD_CAPACITY))
+
+
+@spec("moe_plan")
+def _moe_plan():
+    def inputs(rng):
+        # T K = 2 T assignments for 4 C = 4 ceil(T / 4) slots: some are dropped
+        return dict(experts=_distinct_experts(rng, int(rng.integers(5, 8)), 4, 2), n_experts=4,
+                    capacity_factor=0.5)
+
+    return Spec(inputs, lambda i: _plan_reference(i["experts"], i["n_experts"],
+                                                  i["capacity_factor"]),
+                ids=("experts",), id_high=lambda i: i["n_experts"], pair=False,
+                settings=dict(n_experts=BAD_COUNT, capacity_factor=BAD_CAPACITY))
+
+
+def _routing(rng):
+    """A routing of 5 tokens to K = 2 of N_E = 4 experts with C = ceil(0.75 * 10 / 4) = 2 slots:
+    10 assignments for 8 slots, so some are dropped. -> (experts [T, K], N_E, c, plan)."""
+    experts = _distinct_experts(rng, 5, 4, 2)
+    return experts, 4, 0.75, F.moe_plan(asarray(experts), 4, 0.75)
+
+
+BAD_PLAN = [None, "plan", (5, 2, 4, 2), 0]
+
+
+@spec("moe_dispatch_forward")
+def _moe_dispatch():
+    routing = {}
+
+    def inputs(rng):
+        experts, n_experts, factor, plan = _routing(rng)
+        routing.update(experts=experts, n_experts=n_experts, factor=factor)
+        return dict(x=rng.standard_normal((5, 3)), plan=plan)
+
+    def reference(i):
+        experts = routing["experts"]
+        _, _, n_experts, cap, token, _, dest, *_ = _plan_reference(
+            experts, routing["n_experts"], routing["factor"])
+        x = i["x"]
+        xe = np.zeros((n_experts * cap, x.shape[-1]))
+        for t, row in zip(token, dest):
+            xe[row] = x[t]
+        return xe.reshape(n_experts, cap, x.shape[-1])
+
+    return Spec(inputs, reference, floats=("x",), settings=dict(plan=BAD_PLAN),
+                backward=F.moe_dispatch_backward)
+
+
+@spec("moe_combine_forward")
+def _moe_combine():
+    routing = {}
+
+    def inputs(rng):
+        experts, n_experts, factor, plan = _routing(rng)
+        routing.update(experts=experts, n_experts=n_experts, factor=factor)
+        cap = math.ceil(factor * 5 * 2 / n_experts)
+        return dict(ye=rng.standard_normal((n_experts, cap, 3)), gates=rng.random((5, 2)),
+                    plan=plan)
+
+    def reference(i):
+        experts = routing["experts"]
+        *_, kept, _, _ = _plan_reference(experts, routing["n_experts"], routing["factor"])
+        ye, gates = i["ye"], i["gates"]
+        y = np.zeros((experts.shape[0], ye.shape[-1]))
+        slot = np.zeros(routing["n_experts"], np.int64)
+        for t in range(experts.shape[0]):          # the kept slots of each expert, token order
+            for k in range(experts.shape[1]):
+                if kept[t, k]:
+                    e = experts[t, k]
+                    y[t] += gates[t, k] * ye[e, slot[e]]
+                    slot[e] += 1
+        return y
+
+    return Spec(inputs, reference, floats=("ye", "gates"), settings=dict(plan=BAD_PLAN),
+                backward=F.moe_combine_backward)
+
+
+@spec("expert_mlp_forward")
+def _expert_mlp():
+    def inputs(rng):
+        n, c, d, f = 2, int(rng.integers(1, 5)), 3, 4
+        return dict(xe=rng.standard_normal((n, c, d)), W_fc=rng.standard_normal((n, d, f)),
+                    b_fc=rng.standard_normal((n, f)), W_proj=rng.standard_normal((n, f, d)),
+                    b_proj=rng.standard_normal((n, d)), activation="swiglu",
+                    W_gate=rng.standard_normal((n, d, f)), b_gate=rng.standard_normal((n, f)),
+                    approximate="tanh")
+
+    def reference(i):
+        xe = i["xe"]
+        gate = xe @ i["W_gate"] + i["b_gate"][:, None, :]                  # [N_E, C, F]
+        up = xe @ i["W_fc"] + i["b_fc"][:, None, :]
+        return (gate * _sigmoid_np(gate) * up) @ i["W_proj"] + i["b_proj"][:, None, :]
+
+    return Spec(inputs, reference,
+                floats=("xe", "W_fc", "b_fc", "W_proj", "b_proj", "W_gate", "b_gate"),
+                settings=dict(activation=["GELU", "tanh", None, 1],
+                              approximate=["fast", "None", None, 1]),
+                backward=F.expert_mlp_backward)
+
+
+def _shares(experts, n_experts):
+    """f_i: the share of the (token, slot) assignments routed to expert i."""
+    return np.array([np.sum(experts == e) for e in range(n_experts)]) / experts.size
+
+
+@spec("expert_load")
+def _expert_load():
+    return Spec(lambda rng: dict(experts=_distinct_experts(rng, int(rng.integers(2, 6)), 5, 2),
+                                 n_experts=5),
+                lambda i: np.array([np.sum(i["experts"] == e) for e in range(i["n_experts"])]),
+                ids=("experts",), id_high=lambda i: i["n_experts"], pair=False,
+                settings=dict(n_experts=BAD_COUNT))
+
+
+BAD_COEF = [-0.5, math.inf, math.nan, "1", True, None]
+
+
+@spec("load_balancing_loss_forward")
+def _load_balancing():
+    def inputs(rng):
+        tokens = int(rng.integers(2, 6))
+        return dict(probs=_softmax(rng.standard_normal((tokens, 4))),
+                    experts=_distinct_experts(rng, tokens, 4, 2), coef=0.5)
+
+    def reference(i):
+        probs = i["probs"]
+        n_experts = probs.shape[-1]
+        return i["coef"] * n_experts * np.sum(_shares(i["experts"], n_experts) * probs.mean(0))
+
+    return Spec(inputs, reference, floats=("probs",), ids=("experts",),
+                id_high=lambda i: i["probs"].shape[-1], settings=dict(coef=BAD_COEF),
+                backward=F.load_balancing_loss_backward, scalar_loss=True)
+
+
+@spec("sequence_balancing_loss_forward")
+def _sequence_balancing():
+    def inputs(rng):
+        batch, length = 3, int(rng.integers(2, 5))
+        experts = np.stack([_distinct_experts(rng, length, 4, 2) for _ in range(batch)])
+        return dict(probs=_softmax(rng.standard_normal((batch, length, 4))), experts=experts,
+                    coef=0.5)
+
+    def reference(i):
+        probs, experts = i["probs"], i["experts"]
+        n_experts = probs.shape[-1]
+        per_sequence = [np.sum(_shares(experts[b], n_experts) * probs[b].mean(0))
+                        for b in range(probs.shape[0])]
+        return i["coef"] * n_experts * np.mean(per_sequence)
+
+    return Spec(inputs, reference, floats=("probs",), ids=("experts",),
+                id_high=lambda i: i["probs"].shape[-1], settings=dict(coef=BAD_COEF),
+                backward=F.sequence_balancing_loss_backward, scalar_loss=True)
+
+
+@spec("router_z_loss_forward")
+def _router_z_loss():
+    def reference(i):
+        z = i["logits"]
+        if z.shape[0] == 0:
+            return np.asarray(0.0)
+        lse = np.log(np.sum(np.exp(z), axis=-1))
+        return i["coef"] * np.mean(lse**2)
+
+    return Spec(lambda rng: dict(logits=rng.standard_normal((int(rng.integers(2, 6)), 4)),
+                                 coef=0.25),
+                reference, floats=("logits",), settings=dict(coef=BAD_COEF),
+                backward=F.router_z_loss_backward, scalar_loss=True)
+
+
+@spec("expert_bias_update")
+def _expert_bias_update():
+    def inputs(rng):
+        return dict(bias=0.1 * rng.standard_normal(5),
+                    load=asarray(np.array([3, 1, 2, 2, 2])), rate=0.01)   # mean load 2
+
+    def reference(i):
+        return i["bias"] + i["rate"] * np.array([-1.0, 1.0, 0.0, 0.0, 0.0])
+
+    return Spec(inputs, reference, floats=("bias",), pair=False,
+                settings=dict(rate=[-0.1, math.inf, math.nan, "0.1", True, None],
+                              load=[None, [3, 1, 2, 2, 2], "3",
+                                    np.ma.masked_array(np.array([3, 1, 2, 2, 2]))]))
+
+
 # --------------------------------------------------------------------------------------
 # The classes of bad input
 
@@ -554,7 +822,7 @@ def _covered(name):
         return True
     for op, make in SPECS.items():
         backward = make().backward if hasattr(F, op) else None
-        if backward is not None and backward.__name__ == name:
+        if backward is not None and (backward.__name__ == name or backward is getattr(F, name)):
             return True
     return False
 
@@ -596,7 +864,10 @@ def _cases(s, valid):
         for case in float_classes(valid[arg], s.any_dtype):
             yield arg, *case
     for arg in s.ids:
-        high = valid["W"].shape[0] if "W" in valid else valid["logits"].shape[-1]
+        if s.id_high is not None:
+            high = s.id_high(valid)
+        else:
+            high = valid["W"].shape[0] if "W" in valid else valid["logits"].shape[-1]
         for case in id_classes(valid[arg], high):
             yield arg, *case
     for arg, bad_values in s.settings.items():
@@ -651,7 +922,8 @@ def test_backward_bad_upstream(op):
             ("numpy float32", np.float32(1.0), "either"),
         ]
     else:
-        host = np.random.default_rng(1).standard_normal(tuple(out.shape))
+        like = out if s.upstream is None else s.upstream(out)
+        host = np.random.default_rng(1).standard_normal(tuple(like.shape))
         grads = _as_tuple(s.backward(asarray(host), cache))
         reference = [to_numpy(g) for g in grads if g is not None]
         cases = [(n, v, k) for n, v, k, _ in upstream_classes(host)]

@@ -33,9 +33,10 @@ Memory shared between inputs, outputs, caches and gradients (no op copies to pro
 
 Shape letters: B batch, S sequence, D width, D_in/D_out a linear layer's widths, V the
 vocabulary (or number of classes), "..." any leading shape, N the number of rows once
-the leading axes are flattened (the mixture of experts, reached as ``functional.moe``, adds
-T tokens, N_E experts, K experts per token and C slots per expert). The book proves every backward formula here, one chapter per family of
-ops; the chapter is named beside each pair.
+the leading axes are flattened (the mixture of experts, also reached as the module
+``functional.moe``, adds T tokens, N_E experts, K experts per token and C slots per expert).
+The book proves every backward formula here, one chapter per family of ops; the chapter is
+named beside each pair.
 """
 from __future__ import annotations
 
@@ -101,5 +102,27 @@ from .rope import (  # noqa: F401
     rope_forward,
     rope_backward,
 )
-# the mixture of experts: tfcore.functional.moe.router_forward, moe_plan, ... (one module)
+from .moe import (  # noqa: F401
+    ROUTERS,
+    EXPERT_ACTIVATIONS,
+    router_forward,
+    router_backward,
+    capacity,
+    moe_plan,
+    moe_dispatch_forward,
+    moe_dispatch_backward,
+    moe_combine_forward,
+    moe_combine_backward,
+    expert_mlp_forward,
+    expert_mlp_backward,
+    expert_load,
+    load_balancing_loss_forward,
+    load_balancing_loss_backward,
+    sequence_balancing_loss_forward,
+    sequence_balancing_loss_backward,
+    router_z_loss_forward,
+    router_z_loss_backward,
+    expert_bias_update,
+)
+# the mixture of experts is also reached as one module: tfcore.functional.moe
 from . import moe  # noqa: F401,E402
