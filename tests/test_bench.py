@@ -230,3 +230,38 @@ def test_the_readme_says_of_the_stored_table_what_it_holds():
     assert list(said.group(8, 9)) == peaks
     f64 = [r["ratio"] for r in stored["rows"] if r["dtype"] == "float64"]
     assert said.group(10, 11) == (f"{min(f64):.2f}", f"{max(f64):.2f}")
+
+
+def test_the_readme_says_of_the_intel_table_and_of_both_what_they_hold():
+    """The README's sentences on benchmarks/results-intel-xeon.json and on what held on both
+    CPUs: the CPU, the range of ratios, the one row below 1, the two-thread rows it names, the
+    range over both tables and the memory margin are the stored tables'."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    amd = json.loads((root / "benchmarks" / "results.json").read_text())
+    intel = json.loads((root / "benchmarks" / "results-intel-xeon.json").read_text())
+    text = " ".join((root / "README.md").read_text().split())
+    said = re.search(r"`benchmarks/results-intel-xeon\.json` holds one run on a quiet 2-core "
+                     r"Intel Xeon \(family (\d+) model (\d+),.*?faster in every row but one, "
+                     r"tfcore taking ([\d.]+)-([\d.]+) times its time \(most at two threads: "
+                     r"tiny float32 ([\d.]+), small ([\d.]+), long2k ([\d.]+) and ([\d.]+)\)\. "
+                     r"What held on both CPUs is only that tfcore's step took between ([\d.]+) "
+                     r"and ([\d.]+) times .*?\(to within ([\d.]+) MiB at tiny\)", text)
+    assert said, "the README no longer describes benchmarks/results-intel-xeon.json"
+    meta = intel["meta"]
+    assert meta["cpu"].startswith("Intel") and meta["cpu_id"].startswith(
+        f"family {said.group(1)} model {said.group(2)} ")
+    ratios = [r["ratio"] for r in intel["rows"]]
+    assert said.group(3, 4) == (f"{min(ratios):.2f}", f"{max(ratios):.2f}")
+    assert sum(r < 1 for r in ratios) == 1
+    row = {(r["threads"], r["config"], r["dtype"]): r["ratio"] for r in intel["rows"]}
+    named = [row[(2, "tiny", "float32")], row[(2, "small", "float32")],
+             row[(2, "long2k", "float32")], row[(2, "long2k", "float64")]]
+    assert list(said.group(5, 6, 7, 8)) == [f"{r:.2f}" for r in named]
+    both = amd["rows"] + intel["rows"]
+    assert said.group(9, 10) == (f"{min(r['ratio'] for r in both):.2f}",
+                                 f"{max(r['ratio'] for r in both):.2f}")
+    excess = max(r["tfcore"]["rss_bytes"] - r["torch"]["rss_bytes"] for r in both) / 2**20
+    assert 0 < excess <= float(said.group(11))
