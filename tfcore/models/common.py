@@ -31,9 +31,7 @@ def check_float_settings(config, positive=(), probabilities=()):
     for name in positive:
         checks.positive(name, getattr(config, name))
     for name in probabilities:
-        value = checks.real(name, getattr(config, name))
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must lie in [0, 1), got {value}")
+        checks.probability(name, getattr(config, name))
 
 
 def check_labels(labels, batch: int, n_classes: int):
