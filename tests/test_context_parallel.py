@@ -238,8 +238,7 @@ def test_recorded_rotation_and_its_pictures():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tfcore.parallel.context import (draw_causal_tiles, draw_ring_rotation,
-                                         ring_rotation_data)
+    from tfcore.viz.parallel import draw_causal_tiles, draw_ring_rotation, ring_rotation_data
 
     for balanced in (False, True):
         data = ring_rotation_data(3, 12, balanced)

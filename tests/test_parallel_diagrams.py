@@ -9,8 +9,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tfcore.models.decoder import DecoderLM  # noqa: E402
-from tfcore.parallel import diagrams as dg  # noqa: E402
 from tfcore.parallel.runner import CONFIGS  # noqa: E402
+from tfcore.viz import parallel as dg  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])

@@ -170,7 +170,7 @@ def test_a_gradient_of_the_wrong_shape_is_refused():
 
 def test_the_3d_mesh_numbers_and_refuses():
     from tfcore.parallel import Mesh
-    from tfcore.parallel.pipeline import mesh3d_coords
+    from tfcore.viz.parallel import mesh3d_coords
 
     ranks = mesh3d_coords(dp=2, pp=2, tp=2)
     assert [g["world"] for g in ranks] == [(g["d"] * 2 + g["s"]) * 2 + g["t"] for g in ranks]
@@ -188,7 +188,7 @@ def test_the_pictures_draw_from_a_measured_run():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tfcore.parallel.pipeline import draw_mesh3d, draw_timeline, mesh3d_coords
+    from tfcore.viz.parallel import draw_mesh3d, draw_timeline, mesh3d_coords
 
     results, _ = _run(_config("tiny"), 2, 4, "interleaved", 2, steps=1, batch=4, seq=4)
     timeline = measure_timeline([r["record"] for r in results], 2, 2)

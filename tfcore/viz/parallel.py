@@ -8,15 +8,24 @@ numbers and show the drawing, so a picture cannot disagree with the code it desc
     linear_shard_layout(n, ...)        run column- and row-parallel linears; each rank's shapes
     mesh_groups(tp, dp)                build the DP x TP mesh; every rank's two groups
     zero1_layout(params, dp)           the real ZeRO-1 chunk bounds over a parameter buffer
+    ring_rotation_data(n, seq, ...)    run ring attention; whose K/V each rank holds per step
+    mesh3d_coords(dp, pp, tp)          build the DP x PP x TP mesh; every rank's three groups
 
-matplotlib is imported by the drawing functions only, so the package does not need it.
+The pipeline timeline (draw_timeline) draws what tfcore.parallel.pipeline.measure_timeline
+returns. viz sits above parallel in the layering: it imports tfcore.parallel, never the
+reverse. matplotlib is imported by the drawing functions only, so the package does not
+need it.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import backend
-from .comm import SimulatedComm, SimulatedGroup, chunk_bounds
+from .. import functional as F
+from ..parallel import layers
+from ..parallel.comm import SimulatedComm, SimulatedGroup, chunk_bounds
+from ..parallel.context import DIAGONAL, SKIP, ContextLayout, ring_attention_forward
+from ..parallel.mesh import Mesh
 
 RANK_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
                 "#da8bc3", "#8c8c8c")
@@ -151,8 +160,6 @@ def linear_shard_layout(n: int, batch_rows: int = 3, d_in: int = 8, d_out: int =
     -> dict(kind -> list over ranks of dict(x=(rows, cols), w=(rows, cols), y=(rows, cols),
             partial (y is a partial sum), forward/backward: [op names])), where each
             (rows, cols) is a pair of (start, stop) ranges of the full matrix."""
-    from . import layers
-
     for name, value in (("n", n), ("batch_rows", batch_rows), ("d_in", d_in), ("d_out", d_out)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -307,8 +314,6 @@ def draw_fg_block(ax, f_forward: str, f_backward: str, g_forward: str,
 def mesh_groups(tp: int, dp: int) -> list[dict]:
     """Build tfcore.parallel.mesh.Mesh on tp * dp simulated ranks. -> [dict(world, t, d,
     tp_group, dp_group)] in world-rank order (the groups as tuples of world ranks)."""
-    from .mesh import Mesh
-
     def body(comm):
         mesh = Mesh(comm, tp=tp, dp=dp)
         return dict(world=comm.rank, t=mesh.tp_rank, d=mesh.dp_rank,
@@ -412,3 +417,185 @@ def draw_zero1(ax_strip, ax_bars, layout: dict, itemsize: int = 8) -> None:
                  transform=ax_bars.get_xaxis_transform(), fontsize=8)
     ax_bars.set_ylabel("kB per rank")
     ax_bars.legend(fontsize=7, ncol=4, loc="upper right")
+
+
+# ---------------------------------------------------------------------------------------
+# Ring attention (context parallelism), drawn from a recorded run
+
+
+def ring_rotation_data(n: int, seq: int, balanced: bool, causal: bool = True,
+                       batch: int = 1, heads: int = 1, d_h: int = 2, seed: int = 0) -> dict:
+    """Run ring attention on n simulated ranks and record what each rank did at each step.
+
+    -> dict(layout, owner int [n ranks, n steps]: whose K/V block rank r holds at step t,
+            pairs [rank][step]: [(q chunk, k chunk, kind, rows, cols)], work [per rank]:
+            score entries computed, sent [per rank]: bytes counted, error: the worst
+            relative error of the output against the dense op)."""
+    layout = ContextLayout(seq, n, balanced)
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((batch, heads, seq, d_h)) for _ in range(3))
+    logs = [[] for _ in range(n)]
+
+    def body(comm):
+        shard = lambda x: layout.shard(x, comm.rank, axis=2)  # noqa: E731
+        out, _ = ring_attention_forward(shard(backend.asarray(q)), shard(backend.asarray(k)),
+                                        shard(backend.asarray(v)), comm, layout,
+                                        causal=causal, block_size=seq, log=logs[comm.rank])
+        return np.asarray(backend.to_numpy(out))
+
+    group = SimulatedGroup(n)
+    outs = group.run(body)
+    ref, _ = F.attention_forward(backend.asarray(q), backend.asarray(k), backend.asarray(v),
+                                 causal=causal)
+    ref = np.asarray(backend.to_numpy(ref))
+    got = layout.unshard(outs, axis=2)
+    owner = np.array([[entry["owner"] for entry in log] for log in logs], dtype=np.int64)
+    pairs = [[entry["pairs"] for entry in log] for log in logs]
+    work = [sum(rows * cols for step in p for _, _, kind, rows, cols in step if kind != SKIP)
+            for p in pairs]
+    return dict(layout=layout, owner=owner, pairs=pairs, work=work,
+                sent=[t.sent for t in group.traffic],
+                error=float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
+
+
+def draw_ring_rotation(ax, data: dict) -> None:
+    """Ranks (rows) x steps (columns): the K/V block each rank holds, in its owner's colour,
+    with the chunks it carries and how many score blocks the rank computes against it
+    (a greyed cell: every pair skipped by the causal mask)."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    owner, pairs, layout = data["owner"], data["pairs"], data["layout"]
+    n = owner.shape[0]
+    for r in range(n):
+        for t in range(n):
+            o = int(owner[r, t])
+            done = sum(kind != SKIP for _, _, kind, _, _ in pairs[r][t])
+            y = n - 1 - r
+            ax.add_patch(Rectangle((t * 1.25, y), 1.0, 0.8, facecolor=_rank_colour(o),
+                                   alpha=0.9 if done else 0.25, edgecolor="white"))
+            chunks = ",".join(str(c) for c in layout.chunks_of(o))
+            ax.text(t * 1.25 + 0.5, y + 0.52, f"K,V of {o}", ha="center", va="center",
+                    fontsize=7, color="white" if done else "black")
+            ax.text(t * 1.25 + 0.5, y + 0.2, f"chunk {chunks}: {done}", ha="center",
+                    va="center", fontsize=6, color="white" if done else "black")
+            if t < n - 1 and r < n - 1:       # the block moves to rank r + 1
+                ax.add_patch(FancyArrowPatch((t * 1.25 + 1.0, y + 0.4),
+                                             (t * 1.25 + 1.25, y - 0.4),
+                                             arrowstyle="-|>", mutation_scale=6,
+                                             color="#777777", linewidth=0.6))
+        ax.text(-0.15, n - 1 - r + 0.4, f"rank {r}", ha="right", va="center", fontsize=8)
+    for t in range(n):
+        ax.text(t * 1.25 + 0.5, n + 0.05, f"step {t}", ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-1.3, n * 1.25)
+    ax.set_ylim(-0.2, n + 0.5)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_causal_tiles(ax, data: dict) -> None:
+    """The S x S score matrix cut into the layout's chunks: each block a rank computes is
+    filled in that rank's colour (hatched: on the diagonal, under the causal mask); white
+    blocks lie above the diagonal and are never computed."""
+    from matplotlib.patches import Rectangle
+
+    layout = data["layout"]
+    S = layout.seq_len
+    for r, per_step in enumerate(data["pairs"]):
+        for step in per_step:
+            for qc, kc, kind, _, _ in step:
+                (a, b), (c, d) = layout.bounds[qc], layout.bounds[kc]
+                if kind == SKIP:
+                    ax.add_patch(Rectangle((c, a), d - c, b - a, facecolor="white",
+                                           edgecolor="#cccccc", linewidth=0.5))
+                    continue
+                ax.add_patch(Rectangle((c, a), d - c, b - a, facecolor=_rank_colour(r),
+                                       alpha=0.85, edgecolor="white", linewidth=0.8,
+                                       hatch="///" if kind == DIAGONAL else None))
+    ax.plot([0, S], [0, S], color="black", linewidth=0.8)
+    ax.set_xlim(0, S)
+    ax.set_ylim(S, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel("key position", fontsize=8)
+    ax.set_ylabel("query position", fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+# ---------------------------------------------------------------------------------------
+# Pipeline parallelism: measured timelines and the DP x PP x TP mesh
+
+
+def draw_timeline(ax, timeline: dict, n_microbatches: int, title: str = "") -> None:
+    """A Gantt chart: one row per rank, a box per operation at its measured interval,
+    coloured by micro-batch (forward light, backward dark), labelled i or i.c (chunk c)."""
+    from matplotlib.colors import to_rgb
+
+    intervals = timeline["intervals"]
+    chunks = max((c for row in intervals for *_, c in row), default=0) + 1
+    for r, row in enumerate(intervals):
+        for start, stop, op, i, c in row:
+            base = np.array(to_rgb(_rank_colour(i)))
+            colour = base if op == "B" else 1 - 0.45 * (1 - base)
+            ax.barh(r, float(stop - start), left=float(start), height=0.8, color=colour,
+                    edgecolor="white", linewidth=0.6)
+            label = str(i) if chunks == 1 else f"{i}.{c}"
+            if float(stop - start) * 4 >= len(label):      # room for the label
+                ax.text(float(start + stop) / 2, r, label, ha="center", va="center",
+                        fontsize=6, color="white" if op == "B" else "#222222")
+    ax.set_yticks(range(len(intervals)), [f"rank {r}" for r in range(len(intervals))],
+                  fontsize=7)
+    ax.set_ylim(len(intervals) - 0.5, -0.5)
+    ax.set_xlim(0, float(timeline["span"]))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(title, fontsize=8, loc="left")
+
+
+def mesh3d_coords(dp: int, pp: int, tp: int) -> list[dict]:
+    """Build Mesh(pp=...) on dp * pp * tp simulated ranks: [dict(world, d, s, t, tp_group,
+    pp_group, dp_group)] in world-rank order."""
+    def body(comm):
+        mesh = Mesh(comm, tp=tp, dp=dp, pp=pp)
+        return dict(world=comm.rank, d=mesh.dp_rank, s=mesh.pp_rank, t=mesh.tp_rank,
+                    tp_group=mesh.tp.ranks, dp_group=mesh.dp.ranks,
+                    pp_group=mesh.pp.ranks if mesh.pp is not None else (comm.rank,))
+
+    return SimulatedGroup(dp * pp * tp).run(body)
+
+
+def draw_mesh3d(ax, ranks: list[dict]) -> None:
+    """The DP x PP x TP mesh as a block per data-parallel replica: stages left to right,
+    tensor-parallel ranks stacked in each stage (orange boxes: tp groups), arrows along the
+    pp groups, dashed lines joining the replicas' copies of a rank (dp groups)."""
+    from matplotlib.patches import Circle, FancyBboxPatch
+
+    dp = max(g["d"] for g in ranks) + 1
+    pp = max(g["s"] for g in ranks) + 1
+    tp = max(g["t"] for g in ranks) + 1
+    width = pp * 1.6 + 0.8
+    pos = {g["world"]: (g["d"] * width + g["s"] * 1.6, -g["t"] * 1.0) for g in ranks}
+    for members in sorted({g["tp_group"] for g in ranks}):
+        xs, ys = zip(*(pos[m] for m in members))
+        ax.add_patch(FancyBboxPatch((xs[0] - 0.45, min(ys) - 0.42), 0.9,
+                                    max(ys) - min(ys) + 0.84, boxstyle="round,pad=0.02",
+                                    facecolor="#fde0c5", edgecolor="#dd8452", zorder=0))
+    for members in sorted({g["pp_group"] for g in ranks}):
+        for a, b in zip(members, members[1:]):
+            (xa, ya), (xb, yb) = pos[a], pos[b]
+            ax.annotate("", (xb - 0.34, yb), (xa + 0.34, ya),
+                        arrowprops=dict(arrowstyle="->", color="#4c72b0", lw=1.4))
+    for members in sorted({g["dp_group"] for g in ranks}):
+        xs, ys = zip(*(pos[m] for m in members))
+        ax.plot(xs, [y - 0.3 for y in ys], color="#55a868", linestyle=":", lw=1.0,
+                zorder=0)
+    for g in ranks:
+        x, y = pos[g["world"]]
+        ax.add_patch(Circle((x, y), 0.3, facecolor="white", edgecolor="#333333", zorder=2))
+        ax.text(x, y, str(g["world"]), ha="center", va="center", fontsize=8, zorder=3)
+        if g["t"] == 0:
+            ax.text(x, 0.62, f"stage {g['s']}", ha="center", fontsize=7)
+    for d in range(dp):
+        ax.text(d * width + (pp - 1) * 0.8, -(tp - 1) - 0.9, f"replica d = {d}",
+                ha="center", fontsize=8, color="#2f7a3f")
+    ax.set_xlim(-0.7, dp * width - 0.5)
+    ax.set_ylim(-(tp - 1) - 1.2, 1.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
