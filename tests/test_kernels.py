@@ -743,13 +743,15 @@ def test_the_backward_frees_the_mlp_cache_before_the_attention_runs(monkeypatch,
     model = DecoderLM(cfg).init(seed=0)
     ids = np.arange(32).reshape(2, 16) % 29
     model.forward(asarray(ids), asarray(ids))
-    hidden = [weakref.ref(c[3][3][0]) for c in model._cache[1]]   # mlp.proj's input [B, S, F]
+    # the mlp's cache (c_in, c_fc, c_gate, c_act, c_proj, c_drop); c_proj[0]: mlp.proj's
+    # input [B, S, F]
+    hidden = [weakref.ref(c[3][4][0]) for _, c in model._cache[1]]
     seen = []
     attention_backward = blocks.attention_sublayer_backward
 
-    def watched(params, prefix, dout, cache, spec):
+    def watched(params, prefix, dout, cache, spec, parts):
         seen.append(hidden[int(prefix[1:].split(".")[0])]() is None)
-        return attention_backward(params, prefix, dout, cache, spec)
+        return attention_backward(params, prefix, dout, cache, spec, parts)
 
     monkeypatch.setattr(blocks, "attention_sublayer_backward", watched)
     model.backward()

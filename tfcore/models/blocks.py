@@ -51,6 +51,7 @@ from ..functional.attention import (
 from ..functional.rope import rope_backward, rope_forward
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 from .moe import MoESpec, moe_param_shapes, moe_sublayer_backward, moe_sublayer_forward
+from .parts import ONE_DEVICE
 
 MLPS = ("gelu", "relu", "swiglu")
 PLACEMENTS = ("pre", "post")
@@ -78,11 +79,18 @@ class BlockSpec:
     n_kv_heads: int | None = None    # key/value heads (GQA, chapter 16); None: n_heads
     recompute_attention: bool = False  # drop A [B, H, S, S] and rebuild it (chapter 17)
     moe: MoESpec | None = None       # a mixture of experts in place of the MLP (models/moe.py)
+    d_head: int | None = None        # a head's width D_h; None: d_model / n_heads (a tensor-
+                                     # parallel rank runs n_heads / tp heads of D / H columns)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_head or self.d_model // self.n_heads
 
 
 def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...]]:
     """{name: shape} of one block's parameters, in buffer order."""
     D, F_ = spec.d_model, spec.d_ff
+    D_q = spec.n_heads * spec.head_dim                  # the query heads' width (D on one device)
     shapes: dict[str, tuple[int, ...]] = {}
 
     def norm(name):
@@ -96,9 +104,9 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
             shapes[f"{prefix}.{name}.b"] = (d_out,)
 
     norm("ln1")
-    kv_width = D // spec.n_heads * (spec.n_kv_heads or spec.n_heads)    # n_kv_heads * D_h
-    linear("attn.qkv", D, D + 2 * kv_width)
-    linear("attn.proj", D, D)
+    kv_width = spec.head_dim * (spec.n_kv_heads or spec.n_heads)        # n_kv_heads * D_h
+    linear("attn.qkv", D, D_q + 2 * kv_width)
+    linear("attn.proj", D_q, D)
     norm("ln2")
     if spec.moe is not None:
         shapes.update(moe_param_shapes(f"{prefix}.moe", spec, spec.moe))
@@ -179,8 +187,8 @@ def sum_kv_groups(dx, groups: int):
 
 def _split_gqa(qkv, spec):
     """qkv [B, S, D + 2 H_kv D_h] -> q [B, H, S, D_h], k, v [B, H_kv, S, D_h] (views)."""
-    d_model = spec.d_model
-    kv_width = d_model // spec.n_heads * spec.n_kv_heads
+    d_model = spec.n_heads * spec.head_dim                  # the query heads' width
+    kv_width = spec.head_dim * spec.n_kv_heads
     q = split_heads(qkv[:, :, :d_model], spec.n_heads)
     k = split_heads(qkv[:, :, d_model:d_model + kv_width], spec.n_kv_heads)
     v = split_heads(qkv[:, :, d_model + kv_width:], spec.n_kv_heads)
@@ -241,25 +249,30 @@ def _tiled_kernel_takes(da, c_att) -> bool:
 
 
 def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, training=False,
-                               kv=None, pos=0):
+                               kv=None, pos=0, parts=ONE_DEVICE):
     """x [B, S, D] -> out [B, S, D].
 
     rope: (cos, sin) tables [S, D_h/2] for the positions of x, or None.
     kv: (k_cache, v_cache) each [B, H_kv, S_max, D_h] to write this call's keys and values
     into at positions pos..pos+S-1 and attend over positions 0..pos+S-1 (generation); None
-    otherwise.
+    otherwise. parts: the seams (parts.py); under tensor parallelism x enters the rank's
+    heads (f, or an all-gather along S) and the projection leaves them (g, or a
+    reduce-scatter), and H, H_kv are this rank's heads.
     """
+    x, c_in = parts.enter_forward(x)                                    # [B, S, D]
     qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, D + 2 H_kv D_h]
+    del x
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
     if (spec.attention == "tiled" and groups == 1 and rope is None and kv is None
+            and not parts.ring
             and not spec.recompute_attention and (spec.dropout == 0.0 or training is False)
             and kernels.applies(qkv)):
         a, c_att = _tiled_kernel_forward(qkv, spec)                     # [B, H, S, D_h]
         batch, heads, seq, d_h = a.shape                    # merge_heads(a), unchecked:
         merged = a.transpose(0, 2, 1, 3).reshape(batch, seq, heads * d_h)  # [B, S, D]
-        out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)
+        out, c_proj = parts.row_linear_forward(params, prefix + ".proj", merged)
         out, c_drop = _dropout_forward(out, spec.dropout, rng, training)  # [B, S, D]
-        return out, (c_qkv, None, None, c_att, c_proj, c_drop)
+        return out, (c_in, c_qkv, None, None, c_att, c_proj, c_drop)
     if groups == 1:
         q, k, v = qkv_split(qkv, spec.n_heads)                          # [B, H, S, D_h] each
     else:
@@ -270,40 +283,45 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         k, c_rope_k = rope_forward(k, *rope)                            # [B, H_kv, S, D_h]
     if kv is not None:
         k_cache, v_cache = kv                                           # [B, H_kv, S_max, D_h]
-        end = pos + x.shape[1]
+        end = pos + qkv.shape[1]
         k_cache[:, :, pos:end, :] = k
         v_cache[:, :, pos:end, :] = v
         k, v = k_cache[:, :, :end, :], v_cache[:, :, :end, :]           # [B, H_kv, S_k, D_h]
-    k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)       # [B, H, S_k, D_h]
     replay = replayable(rng) if spec.recompute_attention else None
-    a, c_att = core_attention_forward(q, k, v, spec, rng, training)     # [B, H, S, D_h]
+    if parts.ring:                  # the ring moves the H_kv heads and repeats them itself
+        a, c_att = parts.attention_forward(q, k, v, spec, rng, training)  # [B, H, S, D_h]
+    else:
+        k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)   # [B, H, S_k, D_h]
+        a, c_att = core_attention_forward(q, k, v, spec, rng, training)  # [B, H, S, D_h]
     if spec.recompute_attention:
         # keep what builds A again, not A: q, k, v (kept anyway) and the generator as it was
         c_att = ("recompute", q, k, v, replay, training)
     merged = merge_heads(a)                                             # [B, S, D]
-    if spec.attention == "tiled" and not spec.recompute_attention:
+    if spec.attention == "tiled" and not spec.recompute_attention and not parts.ring:
         # the tiled backward reads the output only through rowsum(dout * out): keep it as
         # the [B, H, S, D_h] view of the merged heads that the projection keeps anyway (the
         # fused kernel's output already is one), so that one [B, S, D] array is kept, not two
         c_att = c_att[:3] + (split_heads(merged, spec.n_heads),) + c_att[4:]
-    out, c_proj = nn.linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
+    out, c_proj = parts.row_linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = _dropout_forward(out, spec.dropout, rng, training)    # [B, S, D]
-    return out, (c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
+    return out, (c_in, c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
 
 
-def attention_sublayer_backward(params, prefix, dout, cache, spec):
+def attention_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEVICE):
     """dout [B, S, D] -> dx [B, S, D]; adds d W_qkv [D, D + 2 H_kv D_h], d b_qkv, d W_proj,
     d b_proj."""
-    c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
+    c_in, c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop = cache
     del cache                       # as in the MLP: each part is freed when last used
     dout = _dropout_backward(dout, c_drop)                             # [B, S, D]
-    dmerged = nn.linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
+    dmerged = parts.row_linear_backward(params, prefix + ".proj", dout, c_proj)  # [B, S, D]
     del dout, c_proj                # the merged heads [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
     if spec.recompute_attention:        # the same call on the same inputs and draws: same A
         _, q, k, v, replay, training = c_att
         _, c_att = core_attention_forward(q, k, v, spec, replay, training)
-    if spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
+    if parts.ring:
+        dq, dk, dv = parts.attention_backward(da, c_att, spec)  # dk, dv [B, H_kv, S, D_h]
+    elif spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
         q, k, v, out, lse = c_att[:5]       # q, k, v: views of qkv (_tiled_kernel_forward);
         settings = c_att[5]                 # out and da are [B, H, S, D_h] views of [B, S, D]
         dq, dk, dv = kernels.tiled_attention_backward(da, *kernels.as_rows_apart(q, k, v), out,
@@ -315,7 +333,8 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
         dq, dk, dv = backward(da, c_att)                                # [B, H, S, D_h] each
     c_att = da = dmerged = None                 # q, k, v, out [B, H, S, D_h]: freed here
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
-    dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)       # [B, H_kv, S, D_h]
+    if not parts.ring:
+        dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)   # [B, H_kv, S, D_h]
     if c_rope_q is not None:
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)
@@ -328,7 +347,8 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
     else:                                                               # [B, S, D + 2 H_kv D_h]
         dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
                                     axis=-1)
-    return nn.linear_backward(params, prefix + ".qkv", dqkv, c_qkv)     # [B, S, D]
+    dx = nn.linear_backward(params, prefix + ".qkv", dqkv, c_qkv)       # [B, S, D]
+    return parts.enter_backward(dx, c_in)
 
 
 # ---------------------------------------------------------------------------------------
@@ -336,8 +356,11 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec):
 # out = dropout((silu(x W_gate + b_gate) * (x W_fc + b_fc)) W_proj + b_proj)
 
 
-def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
-    """x [B, S, D] -> out [B, S, D] through a hidden layer [B, S, F]."""
+def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False,
+                         parts=ONE_DEVICE):
+    """x [B, S, D] -> out [B, S, D] through a hidden layer [B, S, F] (F / tp columns of it
+    under tensor parallelism, between the parts' enter and row-parallel exit)."""
+    x, c_in = parts.enter_forward(x)                                    # [B, S, D]
     up, c_fc = nn.linear_forward(params, prefix + ".fc", x)             # [B, S, F]
     if spec.mlp == "swiglu":
         gate, c_gate = nn.linear_forward(params, prefix + ".gate", x)   # [B, S, F]
@@ -352,26 +375,28 @@ def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
     else:
         c_gate = None
         hidden, c_act = F.relu_forward(up)                              # [B, S, F]
-    out, c_proj = nn.linear_forward(params, prefix + ".proj", hidden)   # [B, S, D]
+    del x
+    out, c_proj = parts.row_linear_forward(params, prefix + ".proj", hidden)   # [B, S, D]
     out, c_drop = _dropout_forward(out, spec.dropout, rng, training)
-    return out, (c_fc, c_gate, c_act, c_proj, c_drop)
+    return out, (c_in, c_fc, c_gate, c_act, c_proj, c_drop)
 
 
-def mlp_sublayer_backward(params, prefix, dout, cache, spec):
+def mlp_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEVICE):
     """dout [B, S, D] -> dx [B, S, D]; adds the gradients of fc, (gate,) proj."""
-    c_fc, c_gate, c_act, c_proj, c_drop = cache
+    c_in, c_fc, c_gate, c_act, c_proj, c_drop = cache
     del cache                       # the caller handed the cache over: each part is freed
     dout = _dropout_backward(dout, c_drop)                              # when last used
     # the projection's input, the hidden activation [B, S, F], is this cache's alone and
     # needed no more once dW is made: dhidden may be written over it
-    dhidden = nn.linear_backward(params, prefix + ".proj", dout, c_proj,
-                                 overwrite_input=True)                  # [B, S, F]
+    dhidden = parts.row_linear_backward(params, prefix + ".proj", dout, c_proj,
+                                        overwrite_input=True)           # [B, S, F]
     del dout, c_proj
     if spec.mlp == "swiglu":
         dgate, dup = swiglu_backward(dhidden, c_act)                    # [B, S, F] each
         del dhidden
         dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
-        return dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc)
+        return parts.enter_backward(dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc),
+                                    c_in)
     if spec.mlp == "gelu":
         if kernels.applies(dhidden, c_act[0]) and dhidden.shape == c_act[0].shape:
             dup = kernels.gelu_backward(dhidden, c_act[0], c_act[1], out=dhidden)
@@ -380,22 +405,24 @@ def mlp_sublayer_backward(params, prefix, dout, cache, spec):
     else:
         dup = F.relu_backward(dhidden, c_act)
     del dhidden                                 # [B, S, F]: not needed by the last product
-    return nn.linear_backward(params, prefix + ".fc", dup, c_fc)        # [B, S, D]
+    dx = nn.linear_backward(params, prefix + ".fc", dup, c_fc)          # [B, S, D]
+    return parts.enter_backward(dx, c_in)
 
 
-def _ffn_forward(params, prefix, x, spec, *, rng=None, training=False):
+def _ffn_forward(params, prefix, x, spec, *, rng=None, training=False, parts=ONE_DEVICE):
     """The block's feed-forward sublayer: the MLP (prefix.mlp), or the mixture of experts
     (prefix.moe) when spec.moe is set. x [B, S, D] -> out [B, S, D]."""
     if spec.moe is not None:
         return moe_sublayer_forward(params, prefix + ".moe", x, spec, rng=rng,
                                     training=training)
-    return mlp_sublayer_forward(params, prefix + ".mlp", x, spec, rng=rng, training=training)
+    return mlp_sublayer_forward(params, prefix + ".mlp", x, spec, rng=rng, training=training,
+                                parts=parts)
 
 
-def _ffn_backward(params, prefix, dout, cache, spec):
+def _ffn_backward(params, prefix, dout, cache, spec, parts=ONE_DEVICE):
     if spec.moe is not None:
         return moe_sublayer_backward(params, prefix + ".moe", dout, cache, spec)
-    return mlp_sublayer_backward(params, prefix + ".mlp", dout, cache, spec)
+    return mlp_sublayer_backward(params, prefix + ".mlp", dout, cache, spec, parts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -403,21 +430,24 @@ def _ffn_backward(params, prefix, dout, cache, spec):
 
 
 def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=False, kv=None,
-                  pos=0):
-    """x [B, S, D] -> y [B, S, D] (pre-norm or post-norm, see the module docstring)."""
-    attn = dict(rope=rope, rng=rng, training=training, kv=kv, pos=pos)
+                  pos=0, parts=ONE_DEVICE):
+    """x [B, S, D] -> y [B, S, D] (pre-norm or post-norm, see the module docstring).
+    parts: the seams of a parallel layout (parts.py); x is then this rank's rows."""
+    attn = dict(rope=rope, rng=rng, training=training, kv=kv, pos=pos, parts=parts)
     if spec.placement == "pre":
         h, c_ln1 = nn.norm_forward(params, prefix + ".ln1", x, spec.norm, spec.eps)
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
         x1 = _add(x, a) if spec.residual else a                 # x + attn(norm1(x))
         h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
-        m, c_mlp = _ffn_forward(params, prefix, h, spec, rng=rng, training=training)
+        m, c_mlp = _ffn_forward(params, prefix, h, spec, rng=rng, training=training,
+                                parts=parts)
         y = _add(x1, m) if spec.residual else m                # x1 + mlp(norm2(x1))
     else:
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
         s1 = _add(x, a) if spec.residual else a                 # x + attn(x)
         x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
-        m, c_mlp = _ffn_forward(params, prefix, x1, spec, rng=rng, training=training)
+        m, c_mlp = _ffn_forward(params, prefix, x1, spec, rng=rng, training=training,
+                                parts=parts)
         s2 = _add(x1, m) if spec.residual else m                # x1 + mlp(x1)
         y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
     return y, (c_ln1, c_attn, c_ln2, c_mlp)
@@ -430,7 +460,7 @@ def take(caches: list, index: int):
     return value
 
 
-def block_backward(params, prefix, dy, cache, spec):
+def block_backward(params, prefix, dy, cache, spec, parts=ONE_DEVICE):
     """dy [B, S, D] -> dx [B, S, D]: the forward's op pairs in reverse order.
 
     The residual sum hands its gradient to both the skip and the branch unchanged, so each
@@ -440,37 +470,38 @@ def block_backward(params, prefix, dy, cache, spec):
     the attention's backward runs); the caller hands `cache` over the same way.
     """
     if not spec.residual:
-        return _block_backward_without_skips(params, prefix, dy, cache, spec)
+        return _block_backward_without_skips(params, prefix, dy, cache, spec, parts)
     caches = list(cache)                              # c_ln1, c_attn, c_ln2, c_mlp
     del cache
     if spec.placement == "pre":
         dx1, dm = _split_grad(dy)                                     # y = x1 + m
-        dh = _ffn_backward(params, prefix, dm, take(caches, 3), spec)
+        dh = _ffn_backward(params, prefix, dm, take(caches, 3), spec, parts)
         dx1 = _sum(dx1, nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2),
                                          spec.norm))
         del dh
         dx, da = _split_grad(dx1)                                     # x1 = x + a
-        dh = attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec)
+        dh = attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec,
+                                         parts)
         return _sum(dx, nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0),
                                          spec.norm))
     ds2 = nn.norm_backward(params, prefix + ".ln2", dy, take(caches, 2), spec.norm)  # norm2(s2)
     dx1, dm = _split_grad(ds2)                                        # s2 = x1 + m
-    dx1 = _sum(dx1, _ffn_backward(params, prefix, dm, take(caches, 3), spec))
+    dx1 = _sum(dx1, _ffn_backward(params, prefix, dm, take(caches, 3), spec, parts))
     ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, take(caches, 0), spec.norm)  # norm1(s1)
     dx, da = _split_grad(ds1)                                         # s1 = x + a
     return _sum(dx, attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1),
-                                                spec))
+                                                spec, parts))
 
 
-def _block_backward_without_skips(params, prefix, dy, cache, spec):
+def _block_backward_without_skips(params, prefix, dy, cache, spec, parts=ONE_DEVICE):
     """The same chain with the two skips removed: nothing is added back."""
     c_ln1, c_attn, c_ln2, c_mlp = cache
     if spec.placement == "pre":
-        dh = _ffn_backward(params, prefix, dy, c_mlp, spec)
+        dh = _ffn_backward(params, prefix, dy, c_mlp, spec, parts)
         dx1 = nn.norm_backward(params, prefix + ".ln2", dh, c_ln2, spec.norm)
-        dh = attention_sublayer_backward(params, prefix + ".attn", dx1, c_attn, spec)
+        dh = attention_sublayer_backward(params, prefix + ".attn", dx1, c_attn, spec, parts)
         return nn.norm_backward(params, prefix + ".ln1", dh, c_ln1, spec.norm)
     dm = nn.norm_backward(params, prefix + ".ln2", dy, c_ln2, spec.norm)
-    dx1 = _ffn_backward(params, prefix, dm, c_mlp, spec)
+    dx1 = _ffn_backward(params, prefix, dm, c_mlp, spec, parts)
     da = nn.norm_backward(params, prefix + ".ln1", dx1, c_ln1, spec.norm)
-    return attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec)
+    return attention_sublayer_backward(params, prefix + ".attn", da, c_attn, spec, parts)

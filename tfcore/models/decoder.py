@@ -35,7 +35,8 @@ from .. import nn
 from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
-from .blocks import replayable, take
+from .blocks import replayable
+from .parts import ONE_DEVICE, Resident
 from .moe import BALANCES, MoESpec
 from .common import check_float_settings
 
@@ -348,15 +349,24 @@ class DecoderLM:
     the generator's final state.
     """
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, parts=None, layers=None):
+        """parts: the seams of a parallel layout (models/parts.py; None: one device).
+        layers: the blocks this model runs (a pipeline stage's range; None: all of them)."""
         self.config = config.validate()
-        self.params = nn.Parameters(config.param_shapes(), config.dtype)
-        self.spec = config.block_spec()
+        self.parts = ONE_DEVICE if parts is None else parts
+        self.layers = range(config.n_layers) if layers is None else layers
+        self.params = nn.Parameters(self.param_shapes(), config.dtype)
+        self.source = Resident(self)
+        self.spec = self.parts.block_spec(config.block_spec())
         self._moe_block = (None, None)      # (the spec it was made from, the MoE block spec)
         self._sinusoidal, self._rope = position_tables(config)
         self._cache = None
         # after each forward of an MoE model: {layer: routing statistics} (see moe_stats)
         self.moe_stats: dict[int, dict] = {}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of the parameters this model holds (every one, on one device)."""
+        return self.config.param_shapes()
 
     # -- parameters --------------------------------------------------------------------
     def init(self, seed: int = 0) -> "DecoderLM":
@@ -412,33 +422,164 @@ class DecoderLM:
             raise ValueError(
                 f"sequence of length {pos + seq} exceeds max_seq_len={self.config.max_seq_len}")
 
-    def _embed(self, ids, rng, training, pos=0):
-        """ids [B, S] -> x [B, S, D] = dropout(wte[ids] + positions[pos:pos+S])."""
-        seq = ids.shape[1]
-        p = self.params
-        x, c_emb = F.embedding_forward(ids, p["wte"])                      # [B, S, D]
+    def context(self, seq: int, training: bool = False, rng=None, batch_rows=None) -> dict:
+        """What every unit of one forward reads: training, what dropout draws from (this
+        rank's block of the whole batch's draws: batch_rows = (start, stop, B_global) are
+        its rows), the positions of the residual stream's rows and the rotary tables of
+        the positions attention covers, for a sequence of `seq` positions."""
+        if training and self.config.dropout > 0 and rng is None:
+            raise ValueError("training with dropout > 0 needs rng=tfcore.backend.default_rng(seed)"
+                             " (seeded alike on every rank of a parallel run)")
+        parts = self.parts
+        rope = None
+        if self._rope is not None:
+            at = parts.attention_index(seq)
+            rope = (self._rope[0][at, :], self._rope[1][at, :])             # [S_a, D_h/2]
+        return dict(training=training, rng=parts.draws(rng, batch_rows, seq), seq=seq,
+                    stream=parts.stream_index(seq), rope=rope)
+
+    def embed_forward(self, params, ids, ctx):
+        """ids [B, S] -> x [B, S_loc, D] = dropout(wte[ids] + positions), S_loc the rows
+        of the residual stream this rank holds (S on one device), at positions ctx's
+        "stream"."""
+        x, c_emb = self.parts.embed_forward(params, ids)                   # [B, S_loc, D]
+        at = ctx["stream"]
         c_pos = None
         if self.config.position == "learned":
-            x, c_pos = F.positional_forward(x, p["wpe"][pos:pos + seq, :])  # [B, S, D]
+            x, c_pos = F.positional_forward(x, params["wpe"][at, :])         # [B, S_loc, D]
         elif self.config.position == "sinusoidal":
-            x, _ = F.positional_forward(x, self._sinusoidal[pos:pos + seq, :])
-        x, c_drop = F.dropout_forward(x, self.config.dropout, rng, training)
-        return x, (c_emb, c_pos, c_drop)
+            x, _ = F.positional_forward(x, self._sinusoidal[at, :])
+        x, c_drop = F.dropout_forward(x, self.config.dropout, ctx["rng"], ctx["training"])
+        return x, (c_emb, c_pos, at, c_drop)
 
-    def _rope_slice(self, pos, seq):
-        if self._rope is None:
-            return None
-        cos, sin = self._rope
-        return cos[pos:pos + seq, :], sin[pos:pos + seq, :]               # [S, D_h/2] each
+    def embed_backward(self, params, dx, cache):
+        c_emb, c_pos, at, c_drop = cache
+        dx = F.dropout_backward(dx, c_drop)
+        if c_pos is not None:
+            dx, dP = F.positional_backward(dx, c_pos)                      # dP [S_loc, D]
+            params.grad_of("wpe")[at, :] += dP
+        self.parts.embed_backward(params, dx, c_emb)                       # the lookup's share
 
-    def _head(self, x):
-        """x [B, S, D] -> logits [B, S, V]: x wte^T (tied) or x head.W, plus head.b if any."""
-        p = self.params
-        W = p["wte"].T if self.config.tied_head else p["head.W"]            # [D, V]
-        bias = p["head.b"] if "head.b" in p else None
-        return F.linear_forward(x, W, bias)
+    def head_forward(self, params, x):
+        """x [B, S_loc, D] -> logits [B, S, V] (V_r columns under tensor parallelism): the
+        final norm (pre-norm), then x wte^T (tied) or x head.W, plus head.b if any."""
+        cfg = self.config
+        c_lnf = None
+        if cfg.norm_placement == "pre":
+            x, c_lnf = nn.norm_forward(params, "lnf", x, cfg.norm, cfg.eps)
+        W = params["wte"].T if cfg.tied_head else params["head.W"]          # [D, V]
+        bias = params["head.b"] if "head.b" in params else None
+        logits, c_head = self.parts.head_forward(x, W, bias)
+        return logits, (c_lnf, c_head)
 
-    def forward(self, ids, targets=None, training: bool = False, rng=None):
+    def head_backward(self, params, dlogits, cache):
+        """dlogits [B, S, V] -> dx [B, S_loc, D]; the head's (or the tied wte's) and the
+        final norm's gradients added."""
+        c_lnf, c_head = cache
+        cfg = self.config
+        dx, dW, db = self.parts.head_backward(dlogits, c_head)           # dx [B, S, D], dW [D, V]
+        if cfg.tied_head:
+            nn.accumulate(params, "wte", dW.T)                             # the head's share of wte
+        else:
+            nn.accumulate(params, "head.W", dW)
+        if db is not None:
+            nn.accumulate(params, "head.b", db)
+        del dlogits, dW, db, c_head                  # free [B, S, V] before the blocks run
+        if c_lnf is not None:
+            dx = nn.norm_backward(params, "lnf", dx, c_lnf, cfg.norm)
+        return dx
+
+    def head_units(self) -> list[str]:
+        """The units the head reads: 'head' (lnf, head.W, head.b), and 'embed' when tied."""
+        names = [n for n in ("lnf.g", "head.W", "head.b") if n in self.params.shapes]
+        return (["head"] if names else []) + (["embed"] if self.config.tied_head else [])
+
+    def forward_span(self, inputs, targets, ctx, layers, first: bool = True,
+                     last: bool = True):
+        """The skeleton, once: embedding (first) -> blocks `layers` -> final norm, head and
+        loss (last). inputs: ids [B, S] when first, else the residual stream [B, S_loc, D].
+        -> (out, cache): out is (logits, loss) when last (loss None without targets), else x.
+        Each unit runs through the parameter source (a ZeRO-3 unit is gathered for it)."""
+        cfg, run = self.config, self.source.forward
+        if first:
+            x, c_embed = run(["embed"], lambda p: self.embed_forward(p, inputs, ctx))
+        else:
+            x, c_embed = inputs, None
+        c_blocks, aux = [], None
+        full = cfg.recompute == "full"
+        for i in layers:
+            spec = self.layer_spec(i)
+            x_in, replay = x, (replayable(ctx["rng"]) if full else None)
+            x, c = run([f"h{i}"], lambda p: block_forward(
+                p, f"h{i}", x_in, spec, rope=ctx["rope"], rng=ctx["rng"],
+                training=ctx["training"], parts=self.parts))               # [B, S_loc, D]
+            if spec.moe is not None:
+                m = c[3]                                                  # the MoECache
+                aux = m.aux_loss if aux is None else aux + m.aux_loss
+                self.moe_stats[i] = dict(load=m.plan.load, kept_load=m.plan.kept_load,
+                                         capacity=m.plan.capacity, aux_loss=m.aux_loss)
+            if full:                         # the backward runs the block again from x_in
+                c = ("recompute", x_in, replay, ctx)
+            c_blocks.append((i, c))
+        if not last:
+            return x, (c_embed, c_blocks, None, None, (tuple(x.shape), x.dtype,
+                                                       backend.namespace(x)))
+        logits, c_head = run(self.head_units(), lambda p: self.head_forward(p, x))
+        loss, c_loss = None, None
+        if targets is not None:
+            loss, c_loss = self.parts.loss_forward(logits, targets)
+            if aux is not None:
+                loss = loss + aux           # the balancing and z-losses of the MoE blocks
+        return (logits, loss), (c_embed, c_blocks, c_head, c_loss, tuple(logits.shape))
+
+    def backward_span(self, cache, G=None, dloss=1.0, dlogits=None, after_unit=None):
+        """The skeleton's backward: the loss (dloss, or dlogits given), head, blocks and
+        embedding of a forward_span, in reverse, through the parameter source. G: the
+        gradient of the span's output when it does not end in the loss. -> the gradient of
+        the span's input (None when it starts at the embedding)."""
+        c_embed, c_blocks, c_head, c_loss, like = cache
+        del cache
+        done = after_unit or (lambda label: None)
+        run = self.source.backward
+        if c_head is not None:
+            if dlogits is None:
+                if c_loss is None:
+                    raise RuntimeError("backward() without dlogits needs a forward with targets")
+                dlogits = self.parts.loss_backward(dloss, c_loss, overwrite=True)  # [B, S, V]
+            else:
+                checks.array("dlogits", dlogits)
+                checks.shape("dlogits", dlogits, like)
+            c_loss = None
+            dx = run(self.head_units(), lambda p, box: self.head_backward(p, dlogits, box.pop()),
+                     [c_head])
+            dlogits = c_head = None
+            done("head")
+        else:
+            checks.upstream("G", G, *like)
+            dx = G
+        for k in reversed(range(len(c_blocks))):
+            i, box = c_blocks[k][0], [c_blocks[k][1]]   # the box is the caches' only holder
+            c_blocks[k] = None
+            spec = self.layer_spec(i)
+
+            def block(p, box, i=i, spec=spec):
+                if box[0][0] == "recompute":  # the same call, the same input, the same draws
+                    _, x_in, replay, ctx = box.pop()
+                    box.append(block_forward(p, f"h{i}", x_in, spec, rope=ctx["rope"],
+                                             rng=replay, training=ctx["training"],
+                                             parts=self.parts)[1])
+                # handed over from the box, the block's backward holds this layer's caches
+                # alone and frees each sublayer's as soon as it is done with it
+                return block_backward(p, f"h{i}", dx, box.pop(), spec, self.parts)
+            dx = run([f"h{i}"], block, box)                                # [B, S_loc, D]
+            done(f"h{i}")
+        if c_embed is None:
+            return dx
+        run(["embed"], lambda p, box: self.embed_backward(p, dx, box.pop()), [c_embed])
+        done("embed")
+        return None
+
+    def forward(self, ids, targets=None, training: bool = False, rng=None, batch_rows=None):
         """ids [B, S] integers in [0, V) -> (logits [B, S, V], loss).
 
         targets [B, S] integers (or -100 to skip a position); loss is the mean cross-entropy
@@ -446,93 +587,45 @@ class DecoderLM:
         moe_stats[i]["aux_loss"]), or None without targets. training=True
         turns dropout on, which needs `rng` (tfcore.backend.default_rng(seed)). The caches
         for backward() are kept until it runs.
+
+        Under a parallel layout (parts) ids and targets are the whole sequences of this
+        rank's rows of the batch, batch_rows = (start, stop, B_global) (default: every row),
+        the logits are this rank's (its vocabulary columns, its positions) and the loss the
+        mean over every counted token of the layout's data-parallel and ring ranks.
         """
         self._check_ids(ids)
-        cfg = self.config
         if targets is not None:
             checks.array("targets", targets)
             checks.shape("targets", targets, tuple(ids.shape))
-        if training and cfg.dropout > 0 and rng is None:
-            raise ValueError("training with dropout > 0 needs rng=tfcore.backend.default_rng(seed)")
-        seq = ids.shape[1]
-        x, c_embed = self._embed(ids, rng, training)                      # [B, S, D]
-        rope = self._rope_slice(0, seq)
-        c_blocks = []
-        aux = None
+        ctx = self.context(ids.shape[1], training, rng, batch_rows)
         self.moe_stats = {}
-        for i in range(cfg.n_layers):
-            x_in, replay = x, (replayable(rng) if cfg.recompute == "full" else None)
-            x, c = block_forward(self.params, f"h{i}", x, self.layer_spec(i), rope=rope, rng=rng,
-                                 training=training)                       # [B, S, D]
-            if self.layer_spec(i).moe is not None:
-                m = c[3]                                                  # the MoECache
-                aux = m.aux_loss if aux is None else aux + m.aux_loss
-                self.moe_stats[i] = dict(load=m.plan.load, kept_load=m.plan.kept_load,
-                                         capacity=m.plan.capacity, aux_loss=m.aux_loss)
-            if cfg.recompute == "full":      # the backward runs the block again from x_in
-                c = ("recompute", x_in, replay, training, rope)
-            c_blocks.append(c)
-        c_lnf = None
-        if cfg.norm_placement == "pre":
-            x, c_lnf = nn.norm_forward(self.params, "lnf", x, cfg.norm, cfg.eps)
-        logits, c_head = self._head(x)                                    # [B, S, V]
-        loss, c_loss = None, None
-        if targets is not None:
-            loss, c_loss = F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
-            if aux is not None:
-                loss = loss + aux           # the balancing and z-losses of the MoE blocks
-        self._cache = (c_embed, c_blocks, c_lnf, c_head, c_loss, tuple(logits.shape))
-        return logits, loss
+        out, self._cache = self.forward_span(ids, targets, ctx, self.layers)
+        return out
 
     # -- backward ----------------------------------------------------------------------
-    def backward(self, dlogits=None):
+    def backward(self, dlogits=None, *, dloss=1.0, after_unit=None):
         """Add every parameter's gradient into params.grad (+=), in the reverse order of forward.
 
         Without arguments: the gradient of the loss of the last forward (which needs
-        targets). With dlogits [B, S, V]: the gradient of sum(dlogits * logits) instead
-        (plus, for an MoE model, the auxiliary losses, which are part of every backward).
-        The forward caches are released afterwards.
+        targets), times dloss (a micro-batch's weight when accumulating). With dlogits
+        [B, S, V]: the gradient of sum(dlogits * logits) instead (plus, for an MoE model, the
+        auxiliary losses, which are part of every backward). The forward caches are released
+        afterwards. after_unit(label): called when the gradients of a unit are final,
+        'head', 'h{L-1}' .. 'h0', then 'embed' (grads.GradientBuckets starts its
+        all-reduces there).
         """
         if self._cache is None:
             raise RuntimeError(
                 "backward() needs a forward() first (each forward allows one backward)")
-        c_embed, c_blocks, c_lnf, c_head, c_loss, logits_shape = self._cache
-        cfg, p = self.config, self.params
-        if dlogits is None:
-            if c_loss is None:
-                raise RuntimeError("backward() without dlogits needs a forward with targets")
-            dlogits = F.cross_entropy_backward(1.0, c_loss, overwrite=True)  # [B, S, V]
-        else:
-            checks.array("dlogits", dlogits)
-            checks.shape("dlogits", dlogits, logits_shape)
-        self._cache = None
-        dx, dW, db = F.linear_backward(dlogits, c_head)                    # dx [B, S, D], dW [D, V]
-        if cfg.tied_head:
-            nn.accumulate(p, "wte", dW.T)                                  # the head's share of wte
-        else:
-            nn.accumulate(p, "head.W", dW)
-        if db is not None:
-            nn.accumulate(p, "head.b", db)
-        del dlogits, dW, db, c_head, c_loss          # free [B, S, V] before the blocks run
-        if c_lnf is not None:
-            dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
-            c_lnf = None
-        for i in reversed(range(cfg.n_layers)):
-            if cfg.recompute == "full":      # the same call, the same input, the same draws
-                _, x_in, replay, training, rope = c_blocks[i]
-                _, c_blocks[i] = block_forward(p, f"h{i}", x_in, self.layer_spec(i), rope=rope,
-                                               rng=replay, training=training)
-            # take: the block's backward holds this layer's caches alone and frees each
-            # sublayer's as soon as it is done with it
-            dx = block_backward(p, f"h{i}", dx, take(c_blocks, i), self.layer_spec(i))  # [B, S, D]
-        c_emb, c_pos, c_drop = c_embed
-        dx = F.dropout_backward(dx, c_drop)
-        if c_pos is not None:
-            dx, dP = F.positional_backward(dx, c_pos)                      # dP [S, D]
-            seq = dP.shape[0]
-            wpe_grad = p.grad_of("wpe")
-            wpe_grad[:seq, :] += dP
-        nn.accumulate(p, "wte", F.embedding_backward(dx, c_emb))          # the lookup's share
+        dloss = checks.scalar_upstream("dloss", dloss)
+        if after_unit is not None and not self.parts.grads_final_per_unit:
+            raise ValueError("after_unit hooks need every gradient final when its unit's "
+                             "backward ends; under sequence parallelism the replicated "
+                             "gradients are summed over tp only after the whole backward")
+        cache, self._cache = self._cache, None
+        self.source.begin_backward()
+        self.backward_span(cache, dloss=dloss, dlogits=dlogits, after_unit=after_unit)
+        self.source.end_backward()
 
     # -- generation --------------------------------------------------------------------
     def new_kv_cache(self, batch: int) -> KVCache:
@@ -547,14 +640,18 @@ class DecoderLM:
         if ids.shape[0] != cache.batch:
             raise ValueError(
                 f"ids has batch {ids.shape[0]} but the cache was made for {cache.batch}")
-        x, _ = self._embed(ids, None, False, pos)                         # [B, T, D]
-        rope = self._rope_slice(pos, ids.shape[1])
+        if self.parts is not ONE_DEVICE:
+            raise ValueError("generation runs on one device: load the parameters into a "
+                             "DecoderLM(config) (gather_full gives them)")
+        ctx = dict(training=False, rng=None, stream=slice(pos, pos + ids.shape[1]))
+        x, _ = self.embed_forward(self.params, ids, ctx)                  # [B, T, D]
+        rope = None
+        if self._rope is not None:
+            rope = tuple(t[pos:pos + ids.shape[1], :] for t in self._rope)  # [T, D_h/2]
         for i in range(self.config.n_layers):
             x, _ = block_forward(self.params, f"h{i}", x, self.layer_spec(i), rope=rope,
                                  kv=(cache.k[i], cache.v[i]), pos=pos)
-        if self.config.norm_placement == "pre":
-            x, _ = nn.norm_forward(self.params, "lnf", x, self.config.norm, self.config.eps)
-        logits, _ = self._head(x)
+        logits, _ = self.head_forward(self.params, x)
         cache.length = pos + ids.shape[1]
         return logits
 

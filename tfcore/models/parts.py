@@ -1,0 +1,143 @@
+"""The seams of the one decoder: what a parallel layout swaps in, and the one-device parts.
+
+DecoderLM and its block (decoder.py, blocks.py) are written once. Where a layout changes what
+happens, they call a *part* instead of an op, and a parallel layout hands them other parts
+(tfcore.parallel.parts.ParallelParts) with the same methods:
+
+    seam                          one device (this module)       a parallel layout
+    block_spec(spec)              the spec                       this rank's heads (TP)
+    stream_index(S)               all S positions                a block (SP), the ring's
+                                                                 chunks (CP), or both
+    attention_index(S)            all S positions                the ring's chunks (CP)
+    draws(rng, rows, S)           rng                            the whole tensor's draws,
+                                                                 this rank's block kept
+    embed_forward / _backward     wte[ids]                       vocab-parallel (TP), the
+                                                                 ring's positions (CP)
+    enter_forward / _backward     identity                       f, or all-gather along S
+    row_linear_forward/_backward  x W + b                        exit(x W_r) + b
+    attention_forward/_backward   dense or tiled                 ring attention (CP)
+    head_forward / _backward      x W + b                        column-parallel (TP)
+    loss_forward / _backward      mean cross-entropy             vocab-parallel; the count
+                                                                 summed over dp and cp
+    reduce_grads(params, names)   nothing                        sum over tp what each rank
+                                                                 computed from its share
+
+A part's forward returns (out, cache) and its backward takes (dout, cache), as every op pair.
+The one-device parts are the ops the book proves, called exactly as the model called them
+before it had seams, so a one-device run is unchanged bit for bit.
+"""
+from __future__ import annotations
+
+from .. import functional as F
+from .. import nn
+
+IGNORE_INDEX = -100
+
+
+class OneDevice:
+    """Every seam the plain op: the decoder on one device."""
+
+    name = "one device"
+    tp_size = 1
+    ring = False                      # attention is the local dense or tiled op
+    grads_final_per_unit = True       # no sum over ranks after the whole backward
+
+    def block_spec(self, spec):
+        """The block spec this rank runs (its heads under tensor parallelism)."""
+        return spec
+
+    def stream_index(self, seq: int):
+        """The positions of the residual stream's rows on this rank, of a sequence of seq."""
+        return slice(0, seq)
+
+    def attention_index(self, seq: int):
+        """The positions attention's queries (and keys before the ring) cover here."""
+        return slice(0, seq)
+
+    def draws(self, rng, rows, seq: int):
+        """What dropout draws from: rng itself on one device."""
+        return rng
+
+    # -- embedding: ids [B, S] -> tokens [B, S, D] (positions are the model's) ---------------
+    def embed_forward(self, params, ids):
+        return F.embedding_forward(ids, params["wte"])
+
+    def embed_backward(self, params, dx, cache):
+        nn.accumulate(params, "wte", F.embedding_backward(dx, cache))
+
+    # -- the boundaries of a column-parallel then row-parallel pair ----------------------------
+    def enter_forward(self, x):
+        return x, None
+
+    def enter_backward(self, dx, cache):
+        return dx
+
+    def row_linear_forward(self, params, name, x):
+        return nn.linear_forward(params, name, x)
+
+    def row_linear_backward(self, params, name, dy, cache, overwrite_input=False):
+        return nn.linear_backward(params, name, dy, cache, overwrite_input=overwrite_input)
+
+    # -- head and loss ---------------------------------------------------------------------
+    def head_forward(self, x, W, b):
+        """x [B, S, D] -> logits [B, S, V]."""
+        return F.linear_forward(x, W, b)
+
+    def head_backward(self, dlogits, cache):
+        """-> dx, dW [D, V], db."""
+        return F.linear_backward(dlogits, cache)
+
+    def loss_forward(self, logits, targets):
+        """The mean cross-entropy over the counted targets (-100 skips one)."""
+        return F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
+
+    def loss_backward(self, dloss, cache, overwrite=False):
+        return F.cross_entropy_backward(dloss, cache, overwrite=overwrite)
+
+    def loss_count(self, cache) -> float:
+        """The targets the loss counted (on this rank)."""
+        return float(cache[3])
+
+    # -- after a backward ------------------------------------------------------------------
+    def take_reduced_grads(self, params):
+        """Before a backward: what reduce_grads must not add again (nothing here)."""
+        return None
+
+    def reduce_grads(self, params, before=None, names=None):
+        """After a backward: nothing to sum on one device."""
+        return None
+
+
+ONE_DEVICE = OneDevice()
+
+
+class Resident:
+    """The parameter source of a model that holds all its parameters (one device, tensor,
+    sequence, pipeline and context parallelism, ZeRO-1): every unit runs on model.params.
+
+        forward(names, fn)        fn(params) -> (out, cache), for the units `names`
+        backward(names, fn, box)  fn(params, box): box = [cache], which fn pops, so the
+                                  unit's backward holds its caches alone
+        begin_backward() / end_backward()   around one whole backward: the parts' sums over
+                                  the tensor-parallel group of what each rank computed from
+                                  its share (sequence parallelism, shared key/value heads)
+
+    ZeRO-2/3 (tfcore.parallel.fsdp) hand the model another source with the same methods,
+    which gathers a unit before use and frees it after."""
+
+    def __init__(self, model):
+        self.model = model
+        self._before = None
+
+    def forward(self, names, fn):
+        return fn(self.model.params)
+
+    def backward(self, names, fn, box):
+        return fn(self.model.params, box)
+
+    def begin_backward(self):
+        self._before = self.model.parts.take_reduced_grads(self.model.params)
+
+    def end_backward(self):
+        before, self._before = self._before, None
+        self.model.parts.reduce_grads(self.model.params, before)
