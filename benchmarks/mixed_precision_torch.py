@@ -4,9 +4,10 @@ PyTorch's own bf16 autocast, on the same decoder, the same weights and the same 
 Both gradients are compared with tfcore's float64 gradient of the same float32 weights
 (normwise relative error over the whole flat gradient); the first-order bound of chapter 18
 (sum of c_K over the step's products) is computed from tfcore's recorded products. PyTorch's
-model is tfcore.bench.TorchStep (naive attention), run under torch.autocast("cpu",
-torch.bfloat16). PyTorch is not a dependency of tfcore: run this in any environment that has
-torch (CPU build) and tfcore's requirements (ml_dtypes included), from the repository root:
+model is TorchStep of benchmarks/torch_step.py (naive attention), run under
+torch.autocast("cpu", torch.bfloat16). PyTorch is not a dependency of tfcore: run this in any
+environment that has torch (CPU build) and tfcore's requirements (ml_dtypes included), from
+the repository root:
 
     python benchmarks/mixed_precision_torch.py        # writes benchmarks/mixed_precision.json
 
@@ -24,8 +25,8 @@ import torch
 
 from tfcore import kernels
 from tfcore import mixed_precision as mp
-from tfcore.bench import TorchStep
 from tfcore.models import DecoderConfig, DecoderLM
+from torch_step import TorchStep         # benchmarks/torch_step.py, beside this script
 
 OUT = Path(__file__).with_name("mixed_precision.json")
 CONFIG = dict(vocab_size=65, max_seq_len=32, d_model=64, n_layers=2, n_heads=4)

@@ -129,6 +129,7 @@ def test_a_saved_table_prints_and_says_why_a_ratio_is_missing(tmp_path):
     (["--torch-attention", "flash"], "invalid choice"),
     (["--json", "/no/such/folder/r.json"], "does not exist"),
     (["--show", "/no/such/file.json"], "not a saved benchmark table"),
+    (["--torch-step", "/no/such/torch_step.py"], "--torch-step"),
     (["--profile", "--json", "r.json"], "--profile"),
     (["--frobnicate"], "unrecognized arguments"),
 ])
@@ -265,3 +266,23 @@ def test_the_readme_says_of_the_intel_table_and_of_both_what_they_hold():
                                  f"{max(r['ratio'] for r in both):.2f}")
     excess = max(r["tfcore"]["rss_bytes"] - r["torch"]["rss_bytes"] for r in both) / 2**20
     assert 0 < excess <= float(said.group(11))
+
+
+def test_the_pytorch_step_is_loaded_from_outside_the_package(tmp_path, monkeypatch):
+    """tfcore imports no PyTorch code: the PyTorch side is benchmarks/torch_step.py of the
+    checkout, loaded by file path. Without the file, or without torch (simulated here by
+    hiding the module), there is no PyTorch column and one line says why."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert Path(bench.TORCH_STEP) == root / "benchmarks" / "torch_step.py"
+    assert Path(bench.TORCH_STEP).is_file()
+    module, why = bench.load_torch_step(str(tmp_path / "absent.py"))
+    assert module is None and "tfcore alone" in why and "absent.py" in why
+    assert "\n" not in why
+    monkeypatch.setitem(sys.modules, "torch", None)         # `import torch` now fails
+    module, why = bench.load_torch_step()
+    assert module is None and why.startswith("PyTorch is not installed")
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no TorchStep"):
+        bench.load_torch_step(str(tmp_path / "empty.py"))

@@ -84,3 +84,32 @@ def test_every_drawing_runs():
         pixels = np.asarray(f.canvas.buffer_rgba())
         assert pixels.size and pixels.min() < 255          # something was drawn
         plt.close(f)
+
+
+def _imported_modules(path):
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_library_draws_nothing_and_imports_no_torch():
+    """Pictures live in tfcore.viz (above parallel) and PyTorch in benchmarks/ (never
+    imported by tfcore): no parallel module and not the benchmark imports matplotlib, and
+    no module of tfcore imports torch."""
+    from pathlib import Path
+
+    package = Path(dg.__file__).resolve().parents[1]         # tfcore/
+    library = sorted((package / "parallel").glob("*.py")) + [package / "bench.py"]
+    assert len(library) > 10
+    for path in library:
+        assert not {"matplotlib", "torch"} & _imported_modules(path), path
+    everything = sorted(package.rglob("*.py"))
+    assert package / "viz" / "parallel.py" in everything
+    for path in everything:
+        assert "torch" not in _imported_modules(path), path

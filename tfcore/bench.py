@@ -4,6 +4,7 @@
     python -m tfcore.bench --configs small --dtypes float32 --threads 1
     python -m tfcore.bench --profile                           # where a tfcore step goes
     python -m tfcore.bench --no-torch                          # tfcore alone
+    python -m tfcore.bench --torch-step PATH                   # PyTorch's step from PATH
     python -m tfcore.bench --show benchmarks/results.json      # print a saved table again
 
 Configurations: tiny, small and medium (1024 tokens a step, at S = 64, 128 and 256), and
@@ -20,6 +21,9 @@ scaled_dot_product_attention (--torch-attention math writes softmax(QK^T)V out).
 PyTorch installed (the CPU build: `pip install torch==2.13.0+cpu`), the same model is built
 in PyTorch eager with the same weights and tokens, the two losses must agree, and the two
 steps are timed alternately in one process, so that whatever the machine does falls on both.
+tfcore imports no PyTorch code: the PyTorch step is the repository's
+benchmarks/torch_step.py, loaded by its path from the checkout (or --torch-step PATH);
+without that file, or without torch, the table has no PyTorch column.
 
 Load. For every timed window (one step, or as many steps as fill --min-window seconds) the
 benchmark reads the machine's busy CPU time (/proc/stat) and this process's own CPU time
@@ -308,77 +312,37 @@ class TfcoreStep:
         return 4 * p.size * np.dtype(p.dtype).itemsize
 
 
-# -- the same step in PyTorch eager --------------------------------------------------------
+# -- the same step in PyTorch eager, outside the package ----------------------------------
+# tfcore imports no PyTorch code (PyTorch is an optional, independent cross-check): the
+# PyTorch step is benchmarks/torch_step.py of the repository checkout, loaded by file path.
 
-class TorchStep:
-    """The same GPT-style decoder in PyTorch eager, weights copied from tfcore's flat buffer.
+TORCH_STEP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks", "torch_step.py")
 
-    Weights keep tfcore's layout ([D_in, D_out]: y = x @ W + b, through torch.addmm);
-    attention is PyTorch's scaled_dot_product_attention (causal); AdamW is torch.optim.AdamW
-    (the default implementation) with weight decay on the weight matrices only.
-    """
 
-    def __init__(self, cfg: DecoderConfig, params, ids, targets, attention="sdpa"):
-        import torch
+def load_torch_step(path: str | None = None):
+    """Load the PyTorch step from `path` (default: the checkout's benchmarks/torch_step.py).
 
-        self.torch, self.cfg, self.attention = torch, cfg, attention
-        dt = getattr(torch, cfg.dtype)
-        self.w = {n: torch.tensor(np.array(backend.to_numpy(params[n])), dtype=dt,
-                                  requires_grad=True) for n in params.names}
-        decay = [t for n, t in self.w.items() if n.endswith(".W")]
-        rest = [t for n, t in self.w.items() if not n.endswith(".W")]
-        self.opt = torch.optim.AdamW([dict(params=decay, weight_decay=WEIGHT_DECAY),
-                                      dict(params=rest, weight_decay=0.0)],
-                                     lr=LR, betas=BETAS, eps=EPS)
-        self.ids = torch.tensor(np.asarray(ids))
-        self.targets = torch.tensor(np.asarray(targets))
-        self.loss = None
-        for t in self.w.values():            # gradients live between steps, as tfcore's do
-            t.grad = torch.zeros_like(t)
+    -> (module with TorchStep and torch_version, None), or (None, a one-line reason why the
+    table has no PyTorch column: the file is absent, or torch is not installed)."""
+    import importlib.util
 
-    def forward(self):
-        torch, cfg, w = self.torch, self.cfg, self.w
-        F = torch.nn.functional
-        B, S = self.ids.shape
-        D, H = cfg.d_model, cfg.n_heads
-
-        def linear(x, name):
-            y = torch.addmm(w[name + ".b"], x.reshape(-1, x.shape[-1]), w[name + ".W"])
-            return y.view(*x.shape[:-1], y.shape[-1])
-
-        x = w["wte"][self.ids] + w["wpe"][:S]
-        for i in range(cfg.n_layers):
-            h = F.layer_norm(x, (D,), w[f"h{i}.ln1.g"], w[f"h{i}.ln1.b"], cfg.eps)
-            q, k, v = linear(h, f"h{i}.attn.qkv").split(D, -1)
-            q, k, v = (t.view(B, S, H, D // H).transpose(1, 2) for t in (q, k, v))
-            if self.attention == "sdpa":
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                z = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D // H))
-                mask = torch.ones(S, S, dtype=torch.bool).triu(1)
-                a = torch.softmax(z.masked_fill(mask, -math.inf), -1) @ v
-            x = x + linear(a.transpose(1, 2).reshape(B, S, D), f"h{i}.attn.proj")
-            h = F.layer_norm(x, (D,), w[f"h{i}.ln2.g"], w[f"h{i}.ln2.b"], cfg.eps)
-            hidden = F.gelu(linear(h, f"h{i}.mlp.fc"), approximate=cfg.gelu_approximate)
-            x = x + linear(hidden, f"h{i}.mlp.proj")
-        x = F.layer_norm(x, (D,), w["lnf.g"], w["lnf.b"], cfg.eps)
-        logits = x.view(-1, D) @ w["wte"].T
-        return F.cross_entropy(logits, self.targets.view(-1), ignore_index=-100)
-
-    def __call__(self):
-        self.opt.zero_grad(set_to_none=False)
-        loss = self.forward()
-        loss.backward()
-        self.opt.step()
-        self.loss = float(loss.detach())
-
-    def first_loss(self) -> float:
-        with self.torch.no_grad():
-            return float(self.forward())
-
-    def state_bytes(self) -> int:
-        n = sum(t.numel() for t in self.w.values())
-        return 4 * n * self.w["wte"].element_size()
+    path = os.path.abspath(TORCH_STEP if path is None else path)
+    if not os.path.isfile(path):
+        return None, (f"no PyTorch step at {path} (benchmarks/torch_step.py of the "
+                      "repository; --torch-step PATH): tfcore alone")
+    spec = importlib.util.spec_from_file_location("_tfcore_bench_torch_step", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        return None, "PyTorch is not installed (pip install torch==2.13.0+cpu): tfcore alone"
+    if not hasattr(module, "TorchStep"):
+        raise ValueError(f"{path} defines no TorchStep class: expected the PyTorch step of "
+                         "benchmarks/torch_step.py")
+    return module, None
 
 
 # -- peak memory, in a fresh process ------------------------------------------------------
@@ -387,18 +351,20 @@ class TorchStep:
 # hides a step's peak; so the peak is measured in a fresh process whose allocator returns
 # every freed block at once (_fix_malloc), where resident memory follows what is allocated.
 
-def memory_of_step(name, dtype, library, attention="sdpa", tiled=False) -> int | None:
-    """Peak resident memory of one step of `library` ("tfcore" or "torch") above the resident
-    memory before it, plus the state kept between steps; None where it cannot be measured."""
+def memory_of_step(name, dtype, library, attention="sdpa", tiled=False,
+                   torch_step: str | None = None) -> int | None:
+    """Peak resident memory of one step of `library` ("tfcore" or "torch", whose step is
+    loaded from the file `torch_step`) above the resident memory before it, plus the state
+    kept between steps; None where it cannot be measured."""
     code = ("from tfcore import bench; "
             f"print(bench._memory_child({name!r}, {dtype!r}, {library!r}, {attention!r}, "
-            f"{tiled!r}))")
+            f"{tiled!r}, {torch_step!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     last = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
     return int(last[0]) if last and last[0].isdigit() else None
 
 
-def _memory_child(name, dtype, library, attention, tiled):
+def _memory_child(name, dtype, library, attention, tiled, torch_step=None):
     backend.set_backend("numpy")
     _fix_malloc()
     set_threads(1)
@@ -407,7 +373,11 @@ def _memory_child(name, dtype, library, attention, tiled):
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
     step = TfcoreStep(cfg, tokens[:, :-1], tokens[:, 1:])
     if library == "torch":
-        step = TorchStep(cfg, step.model.params, tokens[:, :-1], tokens[:, 1:], attention)
+        module, why = load_torch_step(torch_step)
+        if module is None:
+            raise RuntimeError(why)
+        step = module.TorchStep(cfg, step.model.params, tokens[:, :-1], tokens[:, 1:],
+                                attention)
     step()
     rss = rss_peak_bytes(step)
     return None if rss is None else rss + step.state_bytes()
@@ -454,9 +424,11 @@ def _timed_rounds(steps, meter, repeats, max_load, per_window, max_rounds, budge
     return sides
 
 
-def run_config(name, dtype, *, repeats=7, use_torch=True, peak=None, attention="sdpa",
+def run_config(name, dtype, *, repeats=7, torch_step=None, peak=None, attention="sdpa",
                warmup=2, max_load=0.1, min_window=0.5, meter=None, tiled=False, budget=300.0):
-    """Time the tfcore step (and PyTorch's) of one configuration -> a dict (one table row)."""
+    """Time the tfcore step (and PyTorch's, where `torch_step` is the module that
+    load_torch_step returned) of one configuration -> a dict (one table row)."""
+    use_torch = torch_step is not None
     cfg, batch, seq = decoder_config(name, dtype, tiled)
     meter = meter or LoadMeter()
     rng = np.random.default_rng(1)
@@ -466,7 +438,7 @@ def run_config(name, dtype, *, repeats=7, use_torch=True, peak=None, attention="
     steps = [ours]
     loss_diff = None
     if use_torch:
-        theirs = TorchStep(cfg, ours.model.params, ids, targets, attention)
+        theirs = torch_step.TorchStep(cfg, ours.model.params, ids, targets, attention)
         a, b = ours.first_loss(), theirs.first_loss()
         loss_diff = abs(a - b) / abs(b)
         bar = 1e-10 if dtype == "float64" else 1e-4
@@ -481,7 +453,8 @@ def run_config(name, dtype, *, repeats=7, use_torch=True, peak=None, attention="
     per_window = max(1, math.ceil(min_window / max(time.perf_counter() - start, 1e-6)))
     sides = _timed_rounds(steps, meter, repeats, max_load, per_window, 3 * repeats, budget)
     for library, side in zip(("tfcore", "torch"), sides):
-        side.rss = memory_of_step(name, dtype, library, attention, tiled)
+        side.rss = memory_of_step(name, dtype, library, attention, tiled,
+                                  torch_step.__file__ if use_torch else None)
     useful = formula_flops(ours.model.num_parameters(), cfg, batch, seq)
     row = dict(config=name, dtype=dtype, threads=None, batch=batch, seq=seq,
                useful_flops=useful, matmul_flops_dense=step_flops(cfg, batch, seq),
@@ -795,6 +768,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=_positive(float, "--budget"), default=300.0,
                         help="seconds of timed windows per row at most (default 300)")
     parser.add_argument("--no-torch", action="store_true", help="tfcore alone")
+    parser.add_argument("--torch-step", metavar="PATH",
+                        help="the PyTorch step to time against (default: the checkout's "
+                             "benchmarks/torch_step.py)")
     parser.add_argument("--torch-attention", choices=["sdpa", "math"], default="sdpa",
                         help="PyTorch's scaled_dot_product_attention (default) or "
                              "softmax(QK^T)V written out")
@@ -817,6 +793,8 @@ def parse_args(argv=None):
             args.shown["rows"], args.shown["meta"]["command"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             parser.error(f"--show: {args.show} is not a saved benchmark table ({err})")
+    if args.torch_step and not os.path.isfile(args.torch_step):
+        parser.error(f"--torch-step: {args.torch_step} is not a file")
     if args.profile and args.json:
         parser.error("--profile prints a profile, not a table: leave out --json")
     return args
@@ -829,15 +807,12 @@ def main(argv=None):
         return 0
     backend.set_backend("numpy")
     kernels.keep_freed_memory()         # for both libraries: this process times them alike
-    use_torch = not args.no_torch and not args.profile
-    torch_version = None
-    if use_torch:
-        try:
-            import torch
-            torch_version = torch.__version__
-        except ImportError:
-            print("PyTorch is not installed (pip install torch==2.13.0+cpu): tfcore alone")
-            use_torch = False
+    torch_step = None
+    if not args.no_torch and not args.profile:
+        torch_step, why = load_torch_step(args.torch_step)
+        if why:
+            print(why)
+    use_torch = torch_step is not None
     if kernels.enabled():
         print(f"kernels on (Numba): warm-up {kernels.warm_up(args.dtypes):.1f} s")
     else:
@@ -846,7 +821,7 @@ def main(argv=None):
     meta = dict(command="python -m tfcore.bench " + " ".join(
                     sys.argv[1:] if argv is None else argv),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **machine(),
-                torch=torch_version,
+                torch=torch_step.torch_version if use_torch else None,
                 kernels="on" if kernels.enabled() else "off", max_load=args.max_load,
                 torch_attention=args.torch_attention, tfcore_attention=args.tfcore_attention,
                 peaks={})
@@ -867,7 +842,7 @@ def main(argv=None):
                 if args.profile:
                     print(profile(name, dtype, tiled=tiled), flush=True)
                     continue
-                row = run_config(name, dtype, repeats=args.repeats, use_torch=use_torch,
+                row = run_config(name, dtype, repeats=args.repeats, torch_step=torch_step,
                                  peak=meta["peaks"][f"{dtype} {threads}thr"],
                                  attention=args.torch_attention, max_load=args.max_load,
                                  min_window=args.min_window, meter=meter, tiled=tiled,
