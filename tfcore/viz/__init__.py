@@ -1,8 +1,11 @@
 """Figures drawn from runs: each picture is computed from what the code does, never by hand.
 
-viz sits above parallel in the layering (it imports tfcore.parallel, never the reverse), and
-imports matplotlib only inside its drawing functions, so tfcore does not need matplotlib.
+viz sits above parallel and train in the layering (it imports them, never the reverse), and
+imports matplotlib only inside its drawing functions, so tfcore does not need matplotlib. No
+module of tfcore outside viz imports matplotlib.
 
+    loss        a run's loss curves from its log.jsonl: read_log, moving_average,
+                plot_run (python -m tfcore.plot is its command line)
     parallel    the parallel layouts, one `*_data` function (runs the real thing on
                 simulated ranks, returns plain numbers the chapters assert on) beside
                 each `draw_*` function (draws those numbers on a matplotlib Axes):
