@@ -12,11 +12,13 @@ Modules:
     data        the character corpus, the digit tasks, batch samplers
     train       the training loop and atomic checkpoints (python -m tfcore.train)
     sample      continue a prompt from a checkpoint (python -m tfcore.sample)
-    plot        loss curves of a run's log.jsonl (python -m tfcore.plot)
+    plot        loss curves of a run's log.jsonl (python -m tfcore.plot; the figure is viz's)
     exercises   checks a reader's own backward against tfcore's ("write this backward yourself")
     bench       a training step timed against the matmul peak and PyTorch (python -m tfcore.bench)
-    parallel    communicators, tensor/sequence/data parallelism, ZeRO-1, diagrams
-                of the layouts (python -m tfcore.parallel)
+    parallel    communicators, tensor/sequence/data parallelism, ZeRO-1
+                (python -m tfcore.parallel)
+    viz         figures drawn from runs: the parallel layouts' diagrams, pipeline
+                timelines, loss curves (matplotlib imported by the drawing functions only)
     gradcheck   finite differences and relative-error helpers
     mixed_precision  bfloat16/float16 matmuls with float32 accumulation, loss scaling
     symbolic    SymPy helpers the chapters share
