@@ -92,11 +92,11 @@ def main(argv=None):
     limiter = bench.set_threads(2)
     kernels.warm_up()
     rng = np.random.default_rng(0)
-    defaults = (kernels.MIN_GEMM_FLOPS_PER_THREAD, kernels.MIN_ELEMENTS_PER_THREAD)
+    defaults = (kernels.pool.MIN_GEMM_FLOPS_PER_THREAD, kernels.pool.MIN_ELEMENTS_PER_THREAD)
 
     def policy(split):
-        kernels.MIN_GEMM_FLOPS_PER_THREAD = 1 if split else 2 ** 62
-        kernels.MIN_ELEMENTS_PER_THREAD = 1 if split else 2 ** 62
+        kernels.pool.MIN_GEMM_FLOPS_PER_THREAD = 1 if split else 2 ** 62
+        kernels.pool.MIN_ELEMENTS_PER_THREAD = 1 if split else 2 ** 62
 
     print(f"2 threads, wall clock, min over {args.rounds} alternated rounds (ms); "
           f"thresholds {defaults[0]} flops, {defaults[1]} elements per thread")
@@ -129,7 +129,7 @@ def main(argv=None):
                           f"{1e3 * best['split']:8.3f} {b2} "
                           f"{best['split'] / best['one']:9.3f} {chosen:>6s}", flush=True)
     finally:
-        kernels.MIN_GEMM_FLOPS_PER_THREAD, kernels.MIN_ELEMENTS_PER_THREAD = defaults
+        kernels.pool.MIN_GEMM_FLOPS_PER_THREAD, kernels.pool.MIN_ELEMENTS_PER_THREAD = defaults
         del limiter
 
 

@@ -321,7 +321,7 @@ def test_gelu_in_chunks_over_threads(rng, dtype, form, threads):
     """Sizes that cross chunk boundaries and split among threads (8 chunks and a tail)."""
     import numba
 
-    n = 8 * kernels.CHUNK + 123
+    n = 8 * kernels.elementwise.CHUNK + 123
     x, dy = randn(rng, (n,), dtype, 3.0), randn(rng, (n,), dtype)
     previous = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -541,13 +541,13 @@ def _step_grads(cfg, ids, targets, attention):
 def fork_joins(monkeypatch):
     """Counts the fork/joins of the kernels (calls of _on_threads with more than one share)."""
     counted = {"fork_joins": 0}
-    on_threads = kernels._on_threads
+    on_threads = kernels.pool._on_threads
 
     def counting(calls):
         counted["fork_joins"] += len(calls) > 1
         return on_threads(calls)
 
-    monkeypatch.setattr(kernels, "_on_threads", counting)
+    monkeypatch.setattr(kernels.pool, "_on_threads", counting)
     return counted
 
 
@@ -562,10 +562,10 @@ def test_every_kernel_split_over_threads_equals_the_reference(rng, monkeypatch, 
     the step equals the reference's: float64 to 1e-12; float32 to 2e-5 (one step of AdamW
     moves each weight by about lr = 1e-2 times a ratio m / sqrt(v) that float32 rounding of
     g changes by a few 1e-7 relative, and the loss's own float32 rounding is 1e-7)."""
-    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
-    monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
-    monkeypatch.setattr(kernels, "MIN_STREAM_BYTES_PER_THREAD", 1)
-    monkeypatch.setattr(kernels, "_threads", lambda: 3)
+    monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "MIN_STREAM_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: 3)
     cfg = dict(vocab_size=13, max_seq_len=9, d_model=12, n_layers=2, n_heads=3, dtype=dtype)
     ids = asarray(rng.integers(0, 13, size=(2, 9)), "int64")
     targets = asarray(rng.integers(0, 13, size=(2, 9)), "int64")
@@ -584,8 +584,8 @@ def test_every_kernel_split_over_threads_equals_the_reference(rng, monkeypatch, 
 def test_causal_softmax_split_over_queries(rng, monkeypatch, s_q):
     """One matrix (R = 1) shared among 3 threads by query rows: each share's causal limit is
     shifted by the row it starts at."""
-    monkeypatch.setattr(kernels, "MIN_ELEMENTS_PER_THREAD", 1)
-    monkeypatch.setattr(kernels, "_threads", lambda: 3)
+    monkeypatch.setattr(kernels.pool, "MIN_ELEMENTS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: 3)
     z = randn(rng, (1, 1, s_q, 7), "float64")
     dA = randn(rng, (1, 1, s_q, 7), "float64")
     A = kernels.attention_softmax_(z.copy(), 0.5, True)
@@ -607,19 +607,19 @@ def test_an_op_forks_only_when_each_share_is_worth_a_fork_join(monkeypatch, fork
     benchmark step then splits its products, attention and GELU."""
     from tfcore import bench
 
-    monkeypatch.setattr(kernels, "_threads", lambda: 2)
-    rows = kernels.MIN_GEMM_FLOPS_PER_THREAD // (2 * 64 * 64)      # [rows, 64] @ [64, 64]
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: 2)
+    rows = kernels.pool.MIN_GEMM_FLOPS_PER_THREAD // (2 * 64 * 64)  # [rows, 64] @ [64, 64]
     w = np.ones((64, 64), dtype=dtype)
     for n, splits in ((2 * rows - 1, 0), (2 * rows, 1)):
         fork_joins["fork_joins"] = 0
         kernels.matmul(np.ones((n, 64), dtype=dtype), w)
         assert fork_joins["fork_joins"] == splits, (n, fork_joins)
-    half = kernels.MIN_ELEMENTS_PER_THREAD
+    half = kernels.pool.MIN_ELEMENTS_PER_THREAD
     for n, splits in ((2 * half - 1, 0), (2 * half, 1)):
         fork_joins["fork_joins"] = 0
         kernels.gelu_forward(np.ones(n, dtype=dtype), "tanh")
         assert fork_joins["fork_joins"] == splits, (n, fork_joins)
-    rows = kernels.MIN_STREAM_BYTES_PER_THREAD // np.dtype(dtype).itemsize // 64
+    rows = kernels.pool.MIN_STREAM_BYTES_PER_THREAD // np.dtype(dtype).itemsize // 64
     for n, splits in ((2 * rows - 1, 0), (2 * rows, 1)):          # [n, 64] + [n, 64]
         fork_joins["fork_joins"] = 0
         kernels.add(np.ones((n, 64), dtype=dtype), np.ones((n, 64), dtype=dtype))
@@ -639,11 +639,11 @@ def test_a_worker_error_reaches_the_caller():
 
     done = []
     with pytest.raises(RuntimeError, match="worker failed"):
-        kernels._on_threads([(done.append, (1,)), (fail, ())])
+        kernels.pool._on_threads([(done.append, (1,)), (fail, ())])
     assert done == [1]
-    assert kernels._bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert kernels._parts(10 * 2 ** 17, 2 ** 17, 4, threads=2) == 2
-    assert kernels._parts(2 ** 17 - 1, 2 ** 17, 4, threads=2) == 1
+    assert kernels.pool._bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert kernels.pool._parts(10 * 2 ** 17, 2 ** 17, 4, threads=2) == 2
+    assert kernels.pool._parts(2 ** 17 - 1, 2 ** 17, 4, threads=2) == 1
 
 
 @needs_numba
@@ -675,7 +675,7 @@ def test_fused_tanh_gelu_is_the_reference_to_the_last_bit(rng, monkeypatch, dtyp
     results = {}
     with np.errstate(all="ignore"):
         for fused in (True, False):
-            monkeypatch.setattr(kernels, "FUSED_GELU", fused)
+            monkeypatch.setattr(kernels.elementwise, "FUSED_GELU", fused)
             y, cache = F.gelu_forward(x, "tanh")
             results[fused] = (y, F.gelu_backward(dy, cache))
         with kernels.disabled():
@@ -839,8 +839,8 @@ def test_cross_entropy_backward_can_overwrite_the_probabilities(rng, dtype):
 def test_linear_backward_can_overwrite_its_input(rng, monkeypatch, dtype, threads):
     """overwrite_x=True: the same dx, dW, db (dW made from x before dx is written over x),
     on one thread and on two (where dx and dW otherwise run side by side)."""
-    monkeypatch.setattr(kernels, "_threads", lambda: threads)
-    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     x, W = randn(rng, (3, 40, 24), dtype), randn(rng, (24, 16), dtype)
     dy = randn(rng, (3, 40, 16), dtype)
     fresh = kernels.linear_backward(dy, x, W, True)
@@ -863,8 +863,8 @@ def test_linear_backward_adds_into_the_gradients_it_is_given(rng, monkeypatch, d
     """grads=(gW, gb): dW and db are added into gW and gb (what was there is kept) and not
     returned; dx is the same as without grads. The additions run inside the threads'
     shares (of the two products side by side, or of dW's rows when dx overwrites x)."""
-    monkeypatch.setattr(kernels, "_threads", lambda: threads)
-    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     x, W = randn(rng, (3, 40, 24), dtype), randn(rng, (24, 16), dtype)
     dy = randn(rng, (3, 40, 16), dtype)
     dx, dW, db = kernels.linear_backward(dy, x, W, has_bias)
@@ -887,9 +887,9 @@ def test_linear_backward_adds_into_the_gradients_it_is_given(rng, monkeypatch, d
 def test_add_and_matmul_into_split_over_threads(rng, monkeypatch, dtype, threads):
     """kernels.add(a, b) is a + b in a new array (the same bits: each element is one
     addition, on whichever thread), and matmul(a, b, into=c) adds the out it writes into c."""
-    monkeypatch.setattr(kernels, "_threads", lambda: threads)
-    monkeypatch.setattr(kernels, "MIN_STREAM_BYTES_PER_THREAD", 1)
-    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: threads)
+    monkeypatch.setattr(kernels.pool, "MIN_STREAM_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     a, b = randn(rng, (5, 7, 3), dtype), randn(rng, (5, 7, 3), dtype)
     total = kernels.add(a, b)
     assert not np.shares_memory(total, a) and not np.shares_memory(total, b)
@@ -911,7 +911,7 @@ def test_an_idle_worker_holds_no_reference_to_the_last_call():
 
     data = np.ones(1000)
     alive = weakref.ref(data)
-    kernels._on_threads([(np.sum, (data[:500],)), (np.sum, (data[500:],))])
+    kernels.pool._on_threads([(np.sum, (data[:500],)), (np.sum, (data[500:],))])
     del data
     gc.collect()
     assert alive() is None
@@ -926,23 +926,23 @@ def test_a_product_on_the_worker_has_the_bits_of_the_same_product_in_python(rng,
     with NumPy's own arguments: the same bits as np.matmul on that share, whatever the
     layout (transposed operands, a bias, an accumulation into another array), and shares
     BLAS would not take as they lie go to the worker as Python calls."""
-    monkeypatch.setattr(kernels, "_threads", lambda: 2)
-    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
-    kernels._sp()
-    if not kernels._gemm_addresses:
+    monkeypatch.setattr(kernels.pool, "_threads", lambda: 2)
+    monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    kernels.pool._sp()
+    if not kernels.pool._gemm_addresses:
         pytest.skip("NumPy's BLAS has no 64-bit-integer C interface here")
     x, w = randn(rng, (37, 19), dtype), randn(rng, (19, 23), dtype)
     bias, into = randn(rng, (23,), dtype), randn(rng, (37, 23), dtype)
     cases = [(x, w), (randn(rng, (19, 37), dtype).T, w), (x, randn(rng, (23, 19), dtype).T),
              (x[:, ::2], w[::2])]                      # no unit stride: a Python call
-    slots = np.zeros_like(kernels._thread_pool(2)[0].args)
-    assert kernels._product_args(slots, *cases[1], np.empty((37, 23), dtype))
-    assert not kernels._product_args(slots, *cases[3], np.empty((37, 23), dtype))
+    slots = np.zeros_like(kernels.pool._thread_pool(2)[0].args)
+    assert kernels.pool._product_args(slots, *cases[1], np.empty((37, 23), dtype))
+    assert not kernels.pool._product_args(slots, *cases[3], np.empty((37, 23), dtype))
     for a, b in cases:
         results = []
         for native in (True, False):
             if not native:
-                monkeypatch.setattr(kernels, "_gemm_addresses", ())
+                monkeypatch.setattr(kernels.pool, "_gemm_addresses", ())
             acc = into.copy()
             out = kernels.matmul(a, b, bias=bias, into=acc)
             results.append((out, acc))
@@ -952,8 +952,8 @@ def test_a_product_on_the_worker_has_the_bits_of_the_same_product_in_python(rng,
         assert np.array_equal(out[half:], np.matmul(a[half:], b) + bias)
         assert np.array_equal(acc, into + out)
         monkeypatch.undo()
-        monkeypatch.setattr(kernels, "_threads", lambda: 2)
-        monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+        monkeypatch.setattr(kernels.pool, "_threads", lambda: 2)
+        monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
 
 
 @needs_numba
@@ -965,18 +965,19 @@ def test_the_worker_and_its_caller_wake_each_other_from_sleep(monkeypatch, spin_
     import threading
     import time
 
-    monkeypatch.setattr(kernels, "SPIN_CYCLES", spin_cycles)
-    monkeypatch.setattr(kernels, "MIN_GEMM_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(kernels.pool, "SPIN_CYCLES", spin_cycles)
+    monkeypatch.setattr(kernels.pool, "MIN_GEMM_FLOPS_PER_THREAD", 1)
     ran, products = [], []
 
     def hand_overs():
         for pause in (0.0, 0.02, 0.0, 0.03):
-            kernels._on_threads([(ran.append, ("caller",)),
-                                 (lambda p=pause: (time.sleep(p), ran.append("worker")), ())])
+            kernels.pool._on_threads([(ran.append, ("caller",)),
+                                      (lambda p=pause: (time.sleep(p), ran.append("worker")),
+                                       ())])
             time.sleep(0.01)                             # the worker goes idle, then sleeps
         a, b = np.ones((64, 32)), np.full((32, 48), 2.0)
         for pause in (0.0, 0.01) * 10:                   # products: compiled on the worker
-            products.append(kernels._split_matmul(a, b, np.empty((64, 48)), 0, 2))
+            products.append(kernels.blas._split_matmul(a, b, np.empty((64, 48)), 0, 2))
             time.sleep(pause)
 
     runner = threading.Thread(target=hand_overs, daemon=True)

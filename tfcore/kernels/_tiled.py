@@ -45,6 +45,10 @@ import math
 import numpy as np
 
 from ..backend import record_matmul, record_products
+from . import pool
+from .blas import single_threaded_blas
+from .pool import _bounds, _gemm_address, _parts
+from .switch import _k
 
 BLOCK = 64          # rows of a forward query block, columns of a backward key block
 SPAN = 256          # the most keys (forward) or queries (backward) one block meets at once
@@ -106,8 +110,6 @@ def _check_qkv(q, k, v, causal):
 def _compiled(dtype) -> int:
     """The gemm address for the compiled shares (tfcore.kernels._numba.tiled_*_share), or 0:
     COMPILED off, or no gemm found (then the Python loops below run)."""
-    from . import _gemm_address
-
     return _gemm_address(dtype) if COMPILED else 0
 
 
@@ -141,8 +143,6 @@ def _forward_part(q, k, v, out, lse, causal, scale, block, span):
     rows, cols = min(block, s_q), min(span, k.shape[2])
     function = _compiled(q.dtype)
     if function:
-        from . import _k
-
         counted = np.zeros(2, dtype=np.int64)
         _k().tiled_forward_share(q, np.ascontiguousarray(np.swapaxes(k, -1, -2)), v, out, lse,
                                  causal, q.dtype.type(scale), block, span,
@@ -163,8 +163,6 @@ def _forward_part(q, k, v, out, lse, causal, scale, block, span):
 def _forward_rows(q, k, v, out, lse, causal, scale, block, span, scores, product, running):
     """Query blocks of `block` rows, each against its keys in blocks of up to `span` columns;
     scores, product: flat scratch; running [3, >= b, H, block]: m, l and alpha."""
-    from . import _k
-
     kern = _k()
     scale = q.dtype.type(scale)
     batch, heads, s_q, _ = q.shape
@@ -200,8 +198,6 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
     cols, rows = min(block, k.shape[2]), min(span, s_q)
     function = _compiled(q.dtype)
     if function:
-        from . import _k
-
         counted = np.zeros(2, dtype=np.int64)
         _k().tiled_backward_share(dout, q, k, v, lse, _row_dots(dout, out), dq, dk, dv, causal,
                                   q.dtype.type(scale), block, span,
@@ -225,8 +221,6 @@ def _backward_rows(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
     """Key blocks of `block` columns, each against the queries that see it in blocks of up
     to `span` rows (then dk and dv of a key block are one product each when its queries fit
     one span; dq adds up over the key blocks); probs, dscores, product: flat scratch."""
-    from . import _k
-
     kern = _k()
     scale = q.dtype.type(scale)
     batch, heads, s_q, _ = q.shape
@@ -276,8 +270,6 @@ def _accumulate(a, b, out, first, scratch):
 
 def _shares(batch, heads, parts):
     """Slices of the batch (or of the heads) for each share: [(axis-0 slice, axis-1 slice)]."""
-    from . import _bounds
-
     if batch >= parts or heads < 2:
         n, axis = min(parts, batch), 0
     else:
@@ -291,16 +283,14 @@ def _run(fn, arrays, threads, extra, flops):
     """fn(*[a[share] for a in arrays], *extra) for each share of the batch (or heads), the
     shares on up to `threads` threads, each share at least MIN_GEMM_FLOPS_PER_THREAD of the
     call's `flops` (a smaller call runs on this thread alone), each on a single-threaded BLAS."""
-    from . import MIN_GEMM_FLOPS_PER_THREAD, _on_threads, _parts, single_threaded_blas
-
     batch, heads = arrays[0].shape[:2]
-    parts = _parts(flops, MIN_GEMM_FLOPS_PER_THREAD, batch * heads, threads)
+    parts = _parts(flops, pool.MIN_GEMM_FLOPS_PER_THREAD, batch * heads, threads)
     with single_threaded_blas():
         if parts == 1:
             fn(*arrays, *extra)
             return
-        _on_threads([(fn, tuple(a[p] for a in arrays) + tuple(extra))
-                     for p in _shares(batch, heads, parts)])
+        pool._on_threads([(fn, tuple(a[p] for a in arrays) + tuple(extra))
+                          for p in _shares(batch, heads, parts)])
 
 
 def _flops(q, k, causal, widths):
@@ -316,14 +306,12 @@ def tiled_attention_forward(q, k, v, causal, scale, block=BLOCK, threads=None, s
     (a view of a [B, S_q, H, D_v] array), lse [B, H, S_q]. Without dropout, masks other
     than causal, or padding."""
     _check_qkv(q, k, v, causal)
-    from . import _threads
-
     # out is written in the layout [B, S_q, H, D_v] that merging the heads reads (then the
     # merged [B, S_q, H D_v] is a view of it, not a second copy kept for the backward)
     batch, heads, s_q, _ = q.shape
     out = np.swapaxes(np.empty((batch, s_q, heads, v.shape[3]), dtype=q.dtype), 1, 2)
     lse = np.empty(q.shape[:3], dtype=q.dtype)
-    _run(_forward_part, (q, k, v, out, lse), threads or _threads(),
+    _run(_forward_part, (q, k, v, out, lse), threads or pool._threads(),
          (bool(causal), float(scale), int(block), int(span)),
          _flops(q, k, causal, q.shape[3] + v.shape[3]))
     return out, lse
@@ -347,8 +335,6 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
     for name, x in (("dout", dout), ("out", out), ("lse", lse)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, expected q's {q.dtype}")
-    from . import _threads
-
     batch, heads, s_q, d_h = q.shape
     if k.shape == q.shape and v.shape == q.shape:
         # dq, dk, dv are written into one [B, S, 3, H, D_h] buffer, the layout of the fused
@@ -357,7 +343,7 @@ def tiled_attention_backward(dout, q, k, v, out, lse, causal, scale, block=BLOCK
         dq, dk, dv = (np.swapaxes(dqkv[:, :, i], 1, 2) for i in range(3))
     else:
         dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or _threads(),
+    _run(_backward_part, (dout, q, k, v, out, lse, dq, dk, dv), threads or pool._threads(),
          (bool(causal), float(scale), int(block), int(span)),
          _flops(q, k, causal, 3 * q.shape[3] + 2 * v.shape[3]))
     return dq, dk, dv
