@@ -327,7 +327,7 @@ def test_the_model_checks_its_upstream_weight(config):
         model = TensorParallelDecoder(config, comm)
         ids, targets = make_batches(config, 1, 2, 4)
         model.forward(ids[0], targets[0])
-        model.backward("0.5")
+        model.backward(dloss="0.5")
 
     with pytest.raises(TypeError, match="dloss"):
         SimulatedGroup(1).run(body)

@@ -357,6 +357,9 @@ class DecoderLM:
         self.layers = range(config.n_layers) if layers is None else layers
         self.params = nn.Parameters(self.param_shapes(), config.dtype)
         self.source = Resident(self)
+        held = self.params.shapes
+        self._head_units = ((["head"] if any(n in held for n in ("lnf.g", "head.W", "head.b"))
+                             else []) + (["embed"] if config.tied_head else []))
         self.spec = self.parts.block_spec(config.block_spec())
         self._moe_block = (None, None)      # (the spec it was made from, the MoE block spec)
         self._sinusoidal, self._rope = position_tables(config)
@@ -491,8 +494,7 @@ class DecoderLM:
 
     def head_units(self) -> list[str]:
         """The units the head reads: 'head' (lnf, head.W, head.b), and 'embed' when tied."""
-        names = [n for n in ("lnf.g", "head.W", "head.b") if n in self.params.shapes]
-        return (["head"] if names else []) + (["embed"] if self.config.tied_head else [])
+        return self._head_units
 
     def forward_span(self, inputs, targets, ctx, layers, first: bool = True,
                      last: bool = True):

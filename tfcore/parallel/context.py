@@ -40,17 +40,12 @@ import math
 
 import numpy as np
 
-from .. import backend, checks, nn
-from .. import functional as F
+from .. import backend, checks
 from ..backend import namespace
-from ..functional.attention import merge_heads, qkv_merge_grads, qkv_split, split_heads
-from ..functional.rope import rope_backward, rope_forward
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
-from ..models.blocks import (mlp_sublayer_backward, mlp_sublayer_forward, repeat_kv_heads,
-                             sum_kv_groups)
-from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
+from ..models.blocks import repeat_kv_heads, sum_kv_groups
+from ..models.decoder import DecoderConfig, DecoderLM
 from .comm import chunk_bounds
-from .layout import Layout
 from .optimizer import Replicated, adamw
 
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
@@ -381,164 +376,22 @@ def ring_attention_bytes(layout: ContextLayout, batch: int, heads: int, d_h: int
 # A decoder with context parallelism
 
 
-class ContextParallelDecoder:
-    """Rank-local: every rank holds every parameter and the tokens of its chunks.
+def ContextParallelDecoder(config: DecoderConfig, cp, balanced: bool = True, dp=None):
+    """The one decoder on a rank of the ring `cp` (context parallelism alone): every
+    parameter on every rank, the rank's chunks of each sequence, ring attention.
 
-    forward(ids, targets, seq_len) -> (logits [B, S_r, V] of this rank's positions, loss:
-    the mean over every counted token of the whole sequence); backward() adds this rank's
-    gradients into params.grad (sum them over the group: optimizer.Replicated over `cp`).
-    Every op but attention is per token; positions (learned, sinusoidal or rotary) are
-    those of the rank's chunks in the whole sequence.
-    """
+        model = ContextParallelDecoder(config, cp)
+        logits, loss = model.forward(ids, targets)     # whole sequences [B, S] in, the
+        model.backward()                               # logits of the rank's positions out
 
-    def __init__(self, config: DecoderConfig, cp, balanced: bool = True):
-        self.config = config.validate()
-        self.balanced = checks.boolean("balanced", balanced)
-        Layout(cp=cp.size, balanced=self.balanced).validate(config)
-        self.cp = cp
-        self.spec = config.block_spec()
-        self.params = nn.Parameters(config.param_shapes(), config.dtype)
-        self._sinusoidal, self._rope = position_tables(config)
-        self._cache = None
+    The loss is the mean over every counted token of the whole sequences (and of the dp
+    group's rows, when given); each rank's gradient is its tokens' share, summed over the
+    group by the optimizer (Replicated over cp, or over dp x cp)."""
+    from .model import TensorParallelDecoder
 
-    def load_full(self, full_params: nn.Parameters) -> "ContextParallelDecoder":
-        self.params.data[...] = full_params.data
-        return self
-
-    def layout(self, seq_len: int) -> ContextLayout:
-        return ContextLayout(seq_len, self.cp.size, self.balanced)
-
-    # -- sub-blocks --------------------------------------------------------------------
-    def _attention_forward(self, prefix, x, ctx):
-        """x [B, S_r, D] -> out [B, S_r, D]: qkv, (rotary at global positions), ring
-        attention, the output projection."""
-        p, cfg = self.params, self.config
-        qkv, c_qkv = nn.linear_forward(p, prefix + ".qkv", x)    # [B, S_r, D + 2 H_kv D_h]
-        if cfg.n_kv_heads == cfg.n_heads:
-            q, k, v = qkv_split(qkv, cfg.n_heads)                        # [B, H, S_r, D_h]
-        else:                                                            # k, v: H_kv heads
-            D, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-            q = split_heads(qkv[:, :, :D], cfg.n_heads)
-            k = split_heads(qkv[:, :, D:D + kv], cfg.n_kv_heads)
-            v = split_heads(qkv[:, :, D + kv:], cfg.n_kv_heads)
-        c_rq = c_rk = None
-        if ctx["rope"] is not None:
-            q, c_rq = rope_forward(q, *ctx["rope"])
-            k, c_rk = rope_forward(k, *ctx["rope"])
-        a, c_att = ring_attention_forward(q, k, v, self.cp, ctx["layout"], causal=True,
-                                          block_size=cfg.attention_block_size)
-        out, c_proj = nn.linear_forward(p, prefix + ".proj", merge_heads(a))  # [B, S_r, D]
-        return out, (c_qkv, c_rq, c_rk, c_att, c_proj)
-
-    def _attention_backward(self, prefix, dout, cache):
-        c_qkv, c_rq, c_rk, c_att, c_proj = cache
-        p = self.params
-        dmerged = nn.linear_backward(p, prefix + ".proj", dout, c_proj)  # [B, S_r, D]
-        dq, dk, dv = ring_attention_backward(split_heads(dmerged, self.config.n_heads), c_att)
-        if c_rq is not None:
-            dq, dk = rope_backward(dq, c_rq), rope_backward(dk, c_rk)
-        if self.config.n_kv_heads == self.config.n_heads:
-            dqkv = qkv_merge_grads(dq, dk, dv)                           # [B, S_r, 3D]
-        else:
-            dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
-                                        axis=-1)
-        return nn.linear_backward(p, prefix + ".qkv", dqkv, c_qkv)
-
-    def _block_forward(self, prefix, x, ctx):
-        """models/blocks.py's block on [B, S_r, D], ring attention in place of attention."""
-        p, spec = self.params, self.spec
-        norm = lambda name, t: nn.norm_forward(p, prefix + name, t, spec.norm, spec.eps)  # noqa
-        if spec.placement == "pre":
-            h, c_ln1 = norm(".ln1", x)
-            a, c_attn = self._attention_forward(prefix + ".attn", h, ctx)
-            x1 = x + a
-            h, c_ln2 = norm(".ln2", x1)
-            m, c_mlp = mlp_sublayer_forward(p, prefix + ".mlp", h, spec)
-            return x1 + m, (c_ln1, c_attn, c_ln2, c_mlp)
-        a, c_attn = self._attention_forward(prefix + ".attn", x, ctx)
-        x1, c_ln1 = norm(".ln1", x + a)
-        m, c_mlp = mlp_sublayer_forward(p, prefix + ".mlp", x1, spec)
-        y, c_ln2 = norm(".ln2", x1 + m)
-        return y, (c_ln1, c_attn, c_ln2, c_mlp)
-
-    def _block_backward(self, prefix, dy, cache):
-        c_ln1, c_attn, c_ln2, c_mlp = cache
-        p, spec = self.params, self.spec
-        if spec.placement == "pre":
-            dh = mlp_sublayer_backward(p, prefix + ".mlp", dy, c_mlp, spec)
-            dx1 = dy + nn.norm_backward(p, prefix + ".ln2", dh, c_ln2, spec.norm)
-            dh = self._attention_backward(prefix + ".attn", dx1, c_attn)
-            return dx1 + nn.norm_backward(p, prefix + ".ln1", dh, c_ln1, spec.norm)
-        ds2 = nn.norm_backward(p, prefix + ".ln2", dy, c_ln2, spec.norm)
-        dx1 = ds2 + mlp_sublayer_backward(p, prefix + ".mlp", ds2, c_mlp, spec)
-        ds1 = nn.norm_backward(p, prefix + ".ln1", dx1, c_ln1, spec.norm)
-        return ds1 + self._attention_backward(prefix + ".attn", ds1, c_attn)
-
-    # -- the model -----------------------------------------------------------------------
-    def forward(self, ids, targets, seq_len: int):
-        """ids, targets [B, S_r]: this rank's positions (layout.shard of [B, S]) of a
-        sequence of seq_len -> (logits [B, S_r, V], loss over the whole sequence)."""
-        checks.ndim("ids", ids, 2)
-        checks.shape("targets", targets, tuple(ids.shape))
-        cfg, p = self.config, self.params
-        if seq_len > cfg.max_seq_len:
-            raise ValueError(f"seq_len ({seq_len}) exceeds max_seq_len={cfg.max_seq_len}")
-        layout = self.layout(seq_len)
-        rank = self.cp.rank
-        checks.shape("ids", ids, (ids.shape[0], layout.local_len(rank)))
-        ctx = dict(layout=layout, rope=None)
-        if self._rope is not None:
-            ctx["rope"] = tuple(layout.shard(t, rank, axis=0) for t in self._rope)
-        x, c_emb = F.embedding_forward(ids, p["wte"])                     # [B, S_r, D]
-        c_pos = None
-        if cfg.position == "learned":
-            x, c_pos = F.positional_forward(x, layout.shard(p["wpe"], rank, axis=0))
-        elif cfg.position == "sinusoidal":
-            x, _ = F.positional_forward(x, layout.shard(self._sinusoidal, rank, axis=0))
-        c_blocks = []
-        for i in range(cfg.n_layers):
-            x, c = self._block_forward(f"h{i}", x, ctx)
-            c_blocks.append(c)
-        c_lnf = None
-        if cfg.norm_placement == "pre":
-            x, c_lnf = nn.norm_forward(p, "lnf", x, cfg.norm, cfg.eps)
-        W = p["wte"].T if cfg.tied_head else p["head.W"]                  # [D, V]
-        bias = p["head.b"] if "head.b" in p else None
-        logits, c_head = F.linear_forward(x, W, bias)                     # [B, S_r, V]
-        local, c_loss = F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
-        xp = namespace(logits)
-        counted = c_loss[3]                                               # T_c of this rank
-        totals = self.cp.all_reduce(xp.stack([local * counted,
-                                              xp.asarray(float(counted), dtype=local.dtype)]))
-        count = float(totals[1])
-        loss = totals[0] / max(count, 1.0)
-        self._cache = (layout, c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss,
-                       counted / max(count, 1.0))
-        return logits, loss
-
-    def backward(self):
-        """Add this rank's gradients into params.grad (every tensor whole: sum over cp)."""
-        if self._cache is None:
-            raise RuntimeError("backward() needs a forward() first")
-        layout, c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, share = self._cache
-        self._cache = None
-        cfg, p = self.config, self.params
-        dlogits = F.cross_entropy_backward(share, c_loss)                 # [B, S_r, V]
-        dx, dW, db = F.linear_backward(dlogits, c_head)
-        nn.accumulate(p, "wte" if cfg.tied_head else "head.W", dW.T if cfg.tied_head else dW)
-        if db is not None:
-            nn.accumulate(p, "head.b", db)
-        if c_lnf is not None:
-            dx = nn.norm_backward(p, "lnf", dx, c_lnf, cfg.norm)
-        for i in reversed(range(cfg.n_layers)):
-            dx = self._block_backward(f"h{i}", dx, c_blocks[i])
-        if c_pos is not None:
-            dx, dP = F.positional_backward(dx, c_pos)                     # [S_r, D]
-            grad = p.grad_of("wpe")
-            for chunk, a, b in layout.local_slices(self.cp.rank):
-                start, stop = layout.bounds[chunk]
-                grad[start:stop, :] += dP[a:b, :]
-        nn.accumulate(p, "wte", F.embedding_backward(dx, c_emb))
+    solo = cp.split(color=cp.rank, key=0, name="tp")             # no tensor parallelism
+    return TensorParallelDecoder(config, solo, cp if dp is None else dp, cp=cp,
+                                 balanced=balanced)
 
 
 def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, seq: int,
@@ -550,7 +403,6 @@ def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, 
 
     hyper = dict(HYPER, **(hyper or {}))
     model = ContextParallelDecoder(config, comm, balanced)
-    layout = model.layout(seq)
     full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(comm, full, ids, targets)
@@ -560,8 +412,7 @@ def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, 
     losses, grads = [], None
     for t in range(steps):
         model.params.zero_grad()
-        _, loss = model.forward(backend.asarray(layout.shard(ids[t], comm.rank)),
-                                backend.asarray(layout.shard(targets[t], comm.rank)), seq)
+        _, loss = model.forward(backend.asarray(ids[t]), backend.asarray(targets[t]))
         losses.append(float(loss))
         model.backward()
         shard.reduce_gradients(model.params)

@@ -47,9 +47,7 @@ import weakref
 import numpy as np
 
 from .. import backend, checks, nn
-from .. import functional as F
-from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
-from . import layers as L
+from ..models.decoder import DecoderConfig, DecoderLM
 from .comm import chunk_bounds
 from .grads import tensor_parallel_mask
 from .layout import Layout
@@ -221,28 +219,53 @@ def _restore(obj, buffers):
 # The model
 
 
+class GatherOnUse:
+    """The parameter source of ZeRO-2/3 (models/parts.py's protocol): a unit's parameters are
+    gathered before it runs and freed after (stage 3), and its gradient, made in a buffer of
+    its own, is reduce-scattered over dp the moment its backward ends."""
+
+    def __init__(self, model: "ShardedDecoder"):
+        self.model = model
+
+    def forward(self, names, fn):
+        return self.model._run_forward(names, fn)
+
+    def backward(self, names, fn, box):
+        return self.model._run_backward(names, fn, box)
+
+    def begin_backward(self):
+        self.model.ledger.mark("backward")
+
+    def end_backward(self):
+        pass
+
+
 class ShardedDecoder(TensorParallelDecoder):
-    """TensorParallelDecoder whose parameters (stage 3) or gradients (stages 2 and 3) are
-    sharded over `dp` unit by unit. Rank-local, like its parent:
+    """The one decoder whose parameters (stage 3) or gradients (stages 2 and 3) are sharded
+    over `dp` unit by unit: a TensorParallelDecoder with the GatherOnUse source. Rank-local:
 
         model = ShardedDecoder(config, mesh.tp, mesh.dp, stage=3).load_full(full_params)
         logits, loss = model.forward(ids, targets, batch_rows=...); model.backward()
         adamw(ZeRO23.buffers(model), ZeRO23(model), hyper).step()
 
     Holds: shard_grad [Z_d]; stage 3: shard [Z_d]; stage 2: data [P] (the whole local
-    parameters). `ledger` counts them and every transient unit buffer.
+    parameters). `ledger` counts them and every transient unit buffer. Gradients accumulate
+    in shard_grad over micro-batches (backward(dloss=w_k)) until zero_grad().
     """
 
-    def __init__(self, config: DecoderConfig, tp, dp, stage: int = 3):
+    def __init__(self, config: DecoderConfig, tp, dp, stage: int = 3,
+                 sequence_parallel: bool = False, cp=None, balanced: bool = True):
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES} (ZeRO-1 is optimizer.ZeRO1), "
                              f"got {stage!r}")
         if backend.get_backend() != "numpy":
             raise ValueError("ZeRO-2/3 here run on the NumPy backend (host arrays)")
-        Layout(tp=tp.size, dp=dp.size, zero=stage).validate(config)
+        Layout(tp=tp.size, zero=stage, sp=sequence_parallel,
+               cp=None if cp is None else cp.size).validate(config)
         # the parent builds this rank's whole buffers once, for their shapes and decay
         # mask; they are dropped at once (stage 2 then holds its own copy of the values)
-        super().__init__(config, tp, dp, sequence_parallel=False)
+        super().__init__(config, tp, dp, sequence_parallel, cp, balanced)
+        self.source = GatherOnUse(self)
         shapes = self.params.shapes                       # this tensor-parallel rank's shapes
         self.dtype = self.params.dtype
         self.size = self.params.size                      # P (local to the tp rank)
@@ -341,36 +364,31 @@ class ShardedDecoder(TensorParallelDecoder):
 
     # -- running a piece of the model on gathered units ---------------------------------------
     def _run_forward(self, names, fn):
-        """Gather the units, run fn() with self.params pointing at them, free them; the
-        returned cache keeps placeholders instead of the weights (stage 3)."""
+        """Gather the units, run fn(their parameters), free them; the returned cache keeps
+        placeholders instead of the weights (stage 3)."""
         units = [self.units[n] for n in names]
         datas = [self._unit_data(u, "forward") for u in units]
-        self.params = UnitParams(units, datas)
-        try:
-            out, cache = fn()
-        finally:
-            self.params = None
+        out, cache = fn(UnitParams(units, datas))
         if self.stage == 3:
             cache = _strip(cache, {id(d): (u.name, d) for u, d in zip(units, datas)})
         del datas
         self._free(names)
         return out, cache
 
-    def _run_backward(self, names, fn, cache):
-        """Gather the units again, fn(cache) with fresh gradient buffers [M_u], free the
-        parameters, reduce-scatter each gradient into shard_grad, free it."""
+    def _run_backward(self, names, fn, box):
+        """Gather the units again, fn(params, box) with fresh gradient buffers [M_u], free
+        the parameters; sum over tp what the parts sum (sequence parallelism, shared
+        key/value heads), reduce-scatter each gradient into shard_grad, free it."""
         units = [self.units[n] for n in names]
         datas = [self._unit_data(u, "backward") for u in units]
         grads = [np.zeros(u.size, dtype=self.dtype) for u in units]       # [M_u] each
         keys = [self.ledger.hold("grads", g, u.name) for u, g in zip(units, grads)]
         if self.stage == 3:
-            cache = _restore(cache, {u.name: d for u, d in zip(units, datas)})
-        self.params = UnitParams(units, datas, grads)
-        try:
-            out = fn(cache)
-        finally:
-            self.params = None
-        del cache, datas
+            box[0] = _restore(box[0], {u.name: d for u, d in zip(units, datas)})
+        params = UnitParams(units, datas, grads)
+        out = fn(params, box)
+        self.parts.reduce_grads(params, None, [n for u in units for n in u.shapes])
+        del params, datas
         self._free(names)
         for unit, key in zip(units, keys):
             grad = grads.pop(0)
@@ -380,84 +398,10 @@ class ShardedDecoder(TensorParallelDecoder):
             self.shard_grad[unit.shard_start:unit.shard_stop] += chunk
         return out
 
-    # -- the model ---------------------------------------------------------------------------
     def forward(self, ids, targets=None, training: bool = False, rng=None, batch_rows=None):
-        """As TensorParallelDecoder.forward (same arguments, same results), one unit at a
-        time."""
-        cfg, tp = self.config, self.tp
-        ctx = self._forward_context(ids, training, rng, batch_rows)
-        S = ids.shape[1]
+        """DecoderLM.forward (same arguments, same results), one unit at a time."""
         self.ledger.mark("forward")
-
-        def embed():
-            p = self.params
-            x, c_emb = L.vocab_parallel_embedding_forward(ids, p["wte"], self.vocab[0], tp)
-            c_pos = None
-            if cfg.position == "learned":
-                x, c_pos = F.positional_forward(x, p["wpe"][:S, :])
-            elif cfg.position == "sinusoidal":
-                x, _ = F.positional_forward(x, self._sinusoidal[:S, :])
-            x, c_drop = F.dropout_forward(x, cfg.dropout, ctx["draw"]("stream"), training)
-            return x, (c_emb, c_pos, c_drop)
-
-        x, c_embed = self._run_forward(["embed"], embed)
-        c_blocks = []
-        for i in range(cfg.n_layers):
-            x, c = self._run_forward([f"h{i}"], lambda i=i: self._block_forward(f"h{i}", x,
-                                                                                ctx))
-            c_blocks.append(c)
-
-        def head():
-            p = self.params
-            y, c_lnf = x, None
-            if cfg.norm_placement == "pre":
-                y, c_lnf = nn.norm_forward(p, "lnf", y, cfg.norm, cfg.eps)
-            W = p["wte"].T if cfg.tied_head else p["head.W"]              # [D, V_r]
-            bias = p["head.b"] if "head.b" in p else None
-            logits, c_head = L.column_parallel_linear_forward(y, W, bias, tp)
-            return logits, (c_lnf, c_head)
-
-        logits, c_final = self._run_forward(self._head_units(), head)
-        loss, c_loss = None, None
-        if targets is not None:
-            loss, c_loss = L.vocab_parallel_cross_entropy_forward(
-                logits, targets, self.vocab[0], tp, self.dp, IGNORE_INDEX)
-        self._cache = (c_embed, c_blocks, c_final, c_loss)
-        return logits, loss
-
-    def _head_units(self):
-        names = [n for n in ("head",) if n in self.units]
-        return names + (["embed"] if self.config.tied_head else [])
-
-    def backward(self):
-        """Gradients, unit by unit in reverse, reduce-scattered into shard_grad [Z_d]."""
-        if self._cache is None or self._cache[-1] is None:
-            raise RuntimeError("backward() needs a forward() with targets first")
-        c_embed, c_blocks, c_final, c_loss = self._cache
-        self._cache = None
-        cfg = self.config
-        self.ledger.mark("backward")
-        dlogits = L.vocab_parallel_cross_entropy_backward(1.0, c_loss)   # [B, S, V_r]
-
-        def head(cache):
-            return self._head_backward(dlogits, *cache)
-
-        dx = self._run_backward(self._head_units(), head, c_final)
-        for i in reversed(range(cfg.n_layers)):
-            dx = self._run_backward([f"h{i}"], lambda c, i=i: self._block_backward(
-                f"h{i}", dx, c), c_blocks[i])
-
-        def embed(cache):
-            p = self.params
-            c_emb, c_pos, c_drop = cache
-            d = F.dropout_backward(dx, c_drop)
-            if c_pos is not None:
-                _, dP = F.positional_backward(d, c_pos)                  # [S, D]
-                p.grad_of("wpe")[:dP.shape[0], :] += dP
-            nn.accumulate(p, "wte", L.vocab_parallel_embedding_backward(d, c_emb))
-            return None
-
-        self._run_backward(["embed"], embed, c_embed)
+        return super().forward(ids, targets, training, rng, batch_rows)
 
     def zero_grad(self):
         self.shard_grad[...] = 0.0

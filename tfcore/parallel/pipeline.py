@@ -42,10 +42,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from .. import backend, checks, nn
-from .. import functional as F
-from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM, position_tables
-from . import layers as L
+from .. import backend, checks
+from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from .mesh import Mesh
 from .layout import SCHEDULES, Layout
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
@@ -245,8 +243,9 @@ def stage_param_names(config: DecoderConfig, n_stages: int, rank: int,
 
 
 class PipelineStage(TensorParallelDecoder):
-    """The chunks of one pipeline rank (and its tensor-parallel block of each): the blocks,
-    and the embedding / head where they belong. Reuses TensorParallelDecoder's blocks.
+    """The one decoder on one pipeline rank: the blocks of its chunks (and its
+    tensor-parallel block of each), with the embedding on virtual stage 0 and the final
+    norm, head and loss on the last; DecoderLM.forward_span / backward_span run a chunk.
 
         chunk_forward(c, inputs, targets)  inputs: ids [B_m, S] (virtual stage 0) or
             X [B_m, S, D] -> (X [B_m, S, D] for the next stage, or on the last one the
@@ -256,26 +255,25 @@ class PipelineStage(TensorParallelDecoder):
     """
 
     def __init__(self, config: DecoderConfig, tp, n_stages: int, stage: int,
-                 n_virtual: int = 1):
-        self.config = config.validate()
-        Layout(tp=tp.size, pp=n_stages, virtual=n_virtual).validate(config)
-        check_layout(config, tp.size)
+                 n_virtual: int = 1, sequence_parallel: bool = False):
+        Layout(tp=tp.size, pp=n_stages, virtual=n_virtual,
+               sp=sequence_parallel).validate(config)
         tp.check_same(config_hash(config, tp=tp.size, pp=n_stages, v=n_virtual),
                       "the model configuration (or the parallel layout)")
-        self.tp, self.dp, self.sp = tp, None, False
         self.n_stages, self.stage, self.n_virtual = n_stages, stage, n_virtual
-        self.spec = config.block_spec()
-        self.heads = config.n_heads // tp.size
-        self.vocab = L.vocab_partition(config.vocab_size, tp.size)[tp.rank]   # (v0, v1)
-        from .model import shard_tensor
-        full = config.param_shapes()
-        names = stage_param_names(config, n_stages, stage, n_virtual)
-        self.params = nn.Parameters({n: tuple(shard_tensor(n, np.empty(full[n]), config,
-                                                           tp.size, tp.rank).shape)
-                                     for n in names}, config.dtype)
-        self.replicated = [n for n in names if shard_rule(n) == "replicated"]
-        self._sinusoidal, self._rope = position_tables(config)
-        self._cache = None
+        chunks = [stage_layers(config, n_stages, n_virtual, self.virtual_stage(c))
+                  for c in range(n_virtual)]
+        super().__init__(config, tp, None, sequence_parallel,
+                         layers=[i for layers in chunks for i in layers])
+        self.chunk_layers = chunks
+
+    def held_shapes(self) -> dict:
+        full = self.config.param_shapes()
+        return {n: full[n] for n in stage_param_names(self.config, self.n_stages,
+                                                      self.stage, self.n_virtual)}
+
+    def init(self, seed: int = 0) -> "PipelineStage":
+        return self.load_full(DecoderLM(self.config).init(seed).params)
 
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.n_stages + self.stage
@@ -287,58 +285,28 @@ class PipelineStage(TensorParallelDecoder):
         return self.virtual_stage(chunk) == self.n_stages * self.n_virtual - 1
 
     def chunk_forward(self, chunk: int, inputs, targets=None):
-        cfg, p, tp = self.config, self.params, self.tp
-        S = inputs.shape[1]
-        ctx = dict(training=False, draw=lambda kind: None, rope=self.rope_for(S))
-        c_emb = c_pos = c_lnf = c_head = c_loss = None
-        x = inputs
+        ctx = self.context(inputs.shape[1])
         if self.is_first(chunk):
-            x, c_emb = L.vocab_parallel_embedding_forward(inputs, p["wte"], self.vocab[0],
-                                                          tp)              # [B_m, S, D]
-            if cfg.position == "learned":
-                x, c_pos = F.positional_forward(x, p["wpe"][:S, :])
-            elif cfg.position == "sinusoidal":
-                x, _ = F.positional_forward(x, self._sinusoidal[:S, :])
-        c_blocks = []
-        for i in stage_layers(cfg, self.n_stages, self.n_virtual, self.virtual_stage(chunk)):
-            x, c = self._block_forward(f"h{i}", x, ctx)
-            c_blocks.append((i, c))
-        out, out_like = x, None
+            self._check_ids(inputs)
+        out, cache = self.forward_span(inputs, targets, ctx, self.chunk_layers[chunk],
+                                       self.is_first(chunk), self.is_last(chunk))
         if self.is_last(chunk):
-            if cfg.norm_placement == "pre":
-                x, c_lnf = nn.norm_forward(p, "lnf", x, cfg.norm, cfg.eps)
-            W = p["wte"].T if cfg.tied_head else p["head.W"]               # [D, V_r]
-            bias = p["head.b"] if "head.b" in p else None
-            logits, c_head = L.column_parallel_linear_forward(x, W, bias, tp)
-            loss, c_loss = L.vocab_parallel_cross_entropy_forward(
-                logits, targets, self.vocab[0], tp, None, IGNORE_INDEX)
-            out = (float(loss), c_loss[4])        # mean over the micro-batch, its count
-        else:
-            out_like = (tuple(x.shape), x.dtype, backend.namespace(x))
-        return out, (c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like)
+            out = (float(out[1]), self.loss_count(cache))  # the micro-batch's mean, count
+        return out, cache
+
+    def loss_count(self, cache) -> float:
+        """The targets a last-stage chunk's loss counted."""
+        return self.parts.loss_count(cache[3])
 
     def chunk_backward(self, chunk: int, G, cache, scale: float = 1.0):
         """scale (last stage): d(step loss)/d(this micro-batch's mean loss) = T_c,mb / T_c."""
-        p = self.params
-        c_emb, c_pos, c_blocks, c_lnf, c_head, c_loss, out_like = cache
-        if self.is_last(chunk):
-            if G is not None:
-                raise ValueError("G must be None on the last virtual stage: the loss starts "
-                                 "its backward")
-            dlogits = L.vocab_parallel_cross_entropy_backward(scale, c_loss)  # [B_m, S, V_r]
-            dx = self._head_backward(dlogits, c_lnf, c_head)                 # [B_m, S, D]
-        else:
-            checks.upstream("G", G, *out_like)
-            dx = G
-        for i, c in reversed(c_blocks):
-            dx = self._block_backward(f"h{i}", dx, c)
-        if not self.is_first(chunk):
-            return dx
-        if c_pos is not None:
-            _, dP = F.positional_backward(dx, c_pos)                      # [S, D]
-            p.grad_of("wpe")[:dP.shape[0], :] += dP
-        nn.accumulate(p, "wte", L.vocab_parallel_embedding_backward(dx, c_emb))
-        return None
+        if self.is_last(chunk) and G is not None:
+            raise ValueError("G must be None on the last virtual stage: the loss starts "
+                             "its backward")
+        self.source.begin_backward()
+        dx = self.backward_span(cache, G=G, dloss=scale)
+        self.source.end_backward()
+        return dx
 
 
 def cache_bytes(cache) -> int:
@@ -442,13 +410,13 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
             cache = caches.pop((i, c))
             if s == last:
                 G, waited = None, ("F", i, s)
-                scale = cache[5][4] / count_total          # T_c of the micro-batch / T_c
+                scale = stage.loss_count(cache) / count_total  # T_c,mb / T_c
             else:
                 waited = ("B", i, s + 1)
                 G, scale = receive(("B", i, s), (s + 1) % p), 1.0
             dx = stage.chunk_backward(c, G, cache, scale)
             live -= 1
-            live_bytes -= cache_bytes(cache)
+            live_bytes -= chunk_bytes[c]          # (the backward empties the cache)
             if s != 0:
                 send(("B", i, s - 1), (s - 1) % p, dx)
         record.append((op, int(i), int(c), waited))

@@ -186,7 +186,7 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
                                       **_dropout(config, seed, t))
             loss = float(loss_k) if K == 1 else loss + w * float(loss_k)
             hook = buckets.unit_done if buckets is not None and k == K - 1 else None
-            model.backward(w, after_unit=hook)
+            model.backward(dloss=w, after_unit=hook)
         losses.append(loss)
         waited = time.perf_counter()
         if buckets is not None:
