@@ -3,7 +3,9 @@
 The contract every pair follows:
 
 * ``<op>_forward(...)`` returns ``(out, cache)``; the cache holds only what the backward
-  pass needs, and nothing is kept anywhere else.
+  pass needs, and nothing is kept anywhere else. A cache of several parts is a named tuple
+  (``_caches``: ``cache.lse``, ``cache.has_bias``), still a tuple: a backward also takes a
+  plain tuple of the same fields.
 * ``<op>_backward(dout, cache)`` returns the gradient of the scalar loss with respect to
   each differentiable input, in the order of the forward's arguments. Parameter gradients
   are *returned*, never stored: a module that owns parameters adds them into its own

@@ -5,12 +5,13 @@ import math
 
 from .. import backend, checks, kernels
 from ..backend import namespace
+from ._caches import GeluCache, ReluCache, SiluCache, Spec, SwigluCache
 
 
 def relu_forward(x):
     """y = max(x, 0).   x [...]  ->  y [...]; the cache is the boolean mask x > 0 and x's dtype."""
     xp = checks.float_inputs(x=x)
-    return xp.maximum(x, 0.0), (x > 0, x.dtype)
+    return xp.maximum(x, 0.0), ReluCache(x > 0, x.dtype)
 
 
 def relu_backward(dy, cache):
@@ -77,7 +78,7 @@ def gelu_forward(x, approximate: str = "none"):
     checks.float_inputs(x=x)
     checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
     if kernels.applies(x):
-        return kernels.gelu_forward(x, approximate), (x, approximate)
+        return kernels.gelu_forward(x, approximate), GeluCache(x, approximate)
     if approximate == "none":
         y = _normal_cdf(x)                  # Phi(x)
         y *= x
@@ -88,7 +89,7 @@ def gelu_forward(x, approximate: str = "none"):
         y *= x                              # 0.5 (1 + t) x
     else:
         raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got {approximate!r}")
-    return y, (x, approximate)
+    return y, GeluCache(x, approximate)
 
 
 def gelu_backward(dy, cache, out=None):
@@ -167,7 +168,7 @@ def silu_forward(x):
     xp = checks.float_inputs(x=x)
     y = _sigmoid(x)
     y *= x
-    return y, (x, (tuple(y.shape), y.dtype, xp))
+    return y, SiluCache(x, Spec(tuple(y.shape), y.dtype, xp))
 
 
 def silu_backward(dy, cache):
@@ -192,7 +193,7 @@ def swiglu_forward(a, b):
     y = _sigmoid(a)
     y *= a
     y *= b
-    return y, (a, b, (tuple(y.shape), y.dtype, xp))
+    return y, SwigluCache(a, b, Spec(tuple(y.shape), y.dtype, xp))
 
 
 def swiglu_backward(dy, cache):

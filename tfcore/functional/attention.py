@@ -10,6 +10,7 @@ import math
 
 from .. import checks, kernels
 from ..backend import matmul, namespace
+from ._caches import AttentionCache, Spec
 from .regularization import dropout_backward, dropout_forward
 from .softmax import _check_mask, softmax_backward
 
@@ -122,7 +123,8 @@ def attention_forward(
     scale = 1.0 / math.sqrt(d_h)
     if (mask is None and key_padding is None and s_q <= s_k
             and kernels.applies(q, k, v, contiguous=False)):
-        return kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)
+        out, cache = kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)
+        return out, AttentionCache(*cache)
 
     z = matmul(q, xp.matrix_transpose(k), "attention")              # [B, H, S_q, S_k]
     z *= scale
@@ -145,7 +147,7 @@ def attention_forward(
     A /= xp.sum(A, axis=-1, keepdims=True)
     A_dropped, drop = dropout_forward(A, dropout_p, rng=rng, training=training)
     out = matmul(A_dropped, v, "attention")                         # [B, H, S_q, D_v]
-    cache = (q, k, v, A, drop, scale, (tuple(out.shape), out.dtype, xp))
+    cache = AttentionCache(q, k, v, A, drop, scale, Spec(tuple(out.shape), out.dtype, xp))
     return out, cache
 
 

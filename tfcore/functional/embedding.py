@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import backend, checks, kernels
 from ..backend import namespace
+from ._caches import EmbeddingCache, PositionalCache
 from ._common import _flat_rows
 
 
@@ -22,7 +23,7 @@ def embedding_forward(ids, W):
     xp = checks.same_library(ids=ids, W=W)
     flat_ids = xp.astype(xp.reshape(ids, (-1,)), xp.int64, copy=False)  # [N]; in range, so exact
     x = xp.reshape(xp.take(W, flat_ids, axis=0), tuple(ids.shape) + (width,))
-    return x, (flat_ids, tuple(x.shape), W.dtype, tuple(W.shape))
+    return x, EmbeddingCache(flat_ids, tuple(x.shape), W.dtype, tuple(W.shape))
 
 
 def embedding_backward(dx, cache):
@@ -78,7 +79,7 @@ def positional_forward(x, P):
             f"got {tuple(P.shape)}"
         )
     y = x + P[:seq, :]
-    return y, (tuple(y.shape), y.dtype, xp, tuple(P.shape))
+    return y, PositionalCache(tuple(y.shape), y.dtype, xp, tuple(P.shape))
 
 
 def positional_backward(dy, cache):

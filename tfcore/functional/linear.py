@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import checks, kernels
 from ..backend import matmul, namespace
+from ._caches import LinearCache
 from ._common import _flat_rows
 
 
@@ -23,12 +24,12 @@ def linear_forward(x, W, b=None):
     if b is not None:
         checks.shape("b", b, (d_out,))
     if kernels.applies(x, W, b, contiguous=False):
-        return kernels.linear_forward(x, W, b), (x, W, b is not None)
+        return kernels.linear_forward(x, W, b), LinearCache(x, W, b is not None)
     y = matmul(_flat_rows(x, d_in), W, "linear")                      # one GEMM [N, D_in] @ [D_in, D_out]
     y = xp.reshape(y, tuple(x.shape[:-1]) + (d_out,))
     if b is not None:
         y += b
-    return y, (x, W, b is not None)
+    return y, LinearCache(x, W, b is not None)
 
 
 def linear_backward(dy, cache):

@@ -5,6 +5,7 @@ import math
 
 from .. import backend, checks, kernels
 from ..backend import namespace
+from ._caches import NormCache
 from ._common import _sum_over_leading
 
 
@@ -59,7 +60,7 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
         xhat = cs / xp.sqrt(t)                                                  # 0 on such a row
         at_eps = xp.full((), 1.0 / math.sqrt(eps), dtype=x.dtype)              # 1/sqrt(0 + eps)
         rstd = xp.where(positive, (1.0 / s) / xp.sqrt(t), at_eps)
-    return xhat * gamma + beta, (xhat, rstd, gamma)
+    return xhat * gamma + beta, NormCache(xhat, rstd, gamma)
 
 
 def layernorm_backward(dy, cache):
@@ -102,7 +103,7 @@ def rmsnorm_forward(x, gain, eps: float = 1e-6):
             t = xp.mean(xs * xs, axis=-1, keepdims=True) + eps / (s * s)  # > 0: some |xs| is 1
         xhat = xs / xp.sqrt(t)
         rrms = (1.0 / s) / xp.sqrt(t)
-    return xhat * gain, (xhat, rrms, gain)
+    return xhat * gain, NormCache(xhat, rrms, gain)
 
 
 def rmsnorm_backward(dy, cache):

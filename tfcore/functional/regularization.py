@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import backend, checks
 from ..backend import namespace
+from ._caches import DropoutCache, Spec
 
 
 def dropout_forward(x, p: float, rng=None, training: bool = True):
@@ -19,15 +20,15 @@ def dropout_forward(x, p: float, rng=None, training: bool = True):
     xp = checks.float_inputs(x=x)
     p = checks.probability("p", p)
     training = checks.boolean("training", training)
-    like = (tuple(x.shape), x.dtype, xp)
+    like = Spec(tuple(x.shape), x.dtype, xp)
     if not training or p == 0.0:
-        return x, (None, 1.0, like)
+        return x, DropoutCache(None, 1.0, like)
     checks.generator("rng", rng)
     keep = backend.uniform(rng, tuple(x.shape), like=x) >= p
     scale = 1.0 / (1.0 - p)
     y = xp.astype(keep, x.dtype)
     y *= x * scale
-    return y, (keep, scale, like)
+    return y, DropoutCache(keep, scale, like)
 
 
 def dropout_backward(dy, cache):
@@ -52,7 +53,7 @@ def residual_forward(x, fx):
     xp = checks.float_inputs(x=x, fx=fx)
     checks.shape("fx", fx, tuple(x.shape))
     y = x + fx
-    return y, (tuple(y.shape), y.dtype, xp)
+    return y, Spec(tuple(y.shape), y.dtype, xp)
 
 
 def residual_backward(dy, cache=None):

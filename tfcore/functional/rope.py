@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .. import backend, checks
 from ..backend import namespace
+from ._caches import RopeCache, Spec
 
 
 def rope_tables(
@@ -65,7 +66,7 @@ def rope_forward(x, cos, sin):
             )
     cos, sin = cos[:seq, :], sin[:seq, :]
     y = _rotate(x, cos, sin)
-    return y, (cos, sin, (tuple(y.shape), y.dtype, xp))
+    return y, RopeCache(cos, sin, Spec(tuple(y.shape), y.dtype, xp))
 
 
 def rope_backward(dy, cache):

@@ -5,6 +5,7 @@ import math
 
 from .. import backend, checks, kernels
 from ..backend import namespace
+from ._caches import CrossEntropyCache
 from ._common import _flat_rows
 
 
@@ -129,7 +130,7 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     if kernels.applies(z):
         probs, total = kernels.cross_entropy_forward(z, safe, valid)
         loss = z.dtype.type(total / max(n_valid, 1))
-        return loss, (probs, safe, valid, n_valid, tuple(logits.shape))
+        return loss, CrossEntropyCache(probs, safe, valid, n_valid, tuple(logits.shape))
     shifted = z - m                                                     # [N, V]
     probs = xp.exp(shifted)
     sum_exp = xp.sum(probs, axis=-1)                                    # [N]
@@ -137,7 +138,7 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     picked = xp.take_along_axis(shifted, safe[:, None], axis=-1)[:, 0]  # z[n, y_n] - m_n
     nll = xp.where(valid, xp.log(sum_exp) - picked, xp.zeros_like(picked))
     loss = xp.sum(nll) / max(n_valid, 1)
-    return loss, (probs, safe, valid, n_valid, tuple(logits.shape))
+    return loss, CrossEntropyCache(probs, safe, valid, n_valid, tuple(logits.shape))
 
 
 def cross_entropy_backward(dloss, cache, overwrite: bool = False):

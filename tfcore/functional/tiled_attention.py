@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import backend, checks, kernels
 from ..backend import matmul
+from ._caches import TiledAttentionCache
 from .attention import (_check_causal_lengths, _check_every_query_keeps_a_key, _check_settings,
                         _float_table, _key_padding_table)
 from .softmax import _check_mask
@@ -140,7 +141,7 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
         # cache keeps the arrays it was given, as the reference path does)
         out, lse = kernels.tiled_attention_forward(*kernels.as_rows_apart(q, k, v), causal,
                                                    scale)
-        return out, (q, k, v, out, lse, settings)
+        return out, TiledAttentionCache(q, k, v, out, lse, settings)
 
     m = xp.full((batch, heads, s_q, 1), -math.inf, dtype=dtype)     # running row max
     l = xp.zeros((batch, heads, s_q, 1), dtype=dtype)               # running sum exp(z - m)
@@ -163,7 +164,7 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
         _check_every_query_keeps_a_key(xp, m)                       # m: the row max
     out = acc / l                                                   # [B, H, S_q, D_v]
     lse = xp.reshape(m + xp.log(l), (batch, heads, s_q))            # [B, H, S_q]
-    return out, (q, k, v, out, lse, settings)
+    return out, TiledAttentionCache(q, k, v, out, lse, settings)
 
 
 def _kernel_applies(q, k, v, settings) -> bool:
