@@ -409,6 +409,9 @@ class DecoderLM:
     def num_parameters(self) -> int:
         return self.params.size
 
+    def zero_grad(self) -> None:
+        self.params.zero_grad()
+
     def size_table(self, batch: int, seq: int) -> dict:
         from .sizes import decoder_sizes
 

@@ -44,9 +44,8 @@ from .. import backend, checks
 from ..backend import namespace
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 from ..models.blocks import repeat_kv_heads, sum_kv_groups
-from ..models.decoder import DecoderConfig, DecoderLM
+from ..models.decoder import DecoderConfig
 from .comm import chunk_bounds
-from .optimizer import Replicated, adamw
 
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
 
@@ -396,27 +395,11 @@ def ContextParallelDecoder(config: DecoderConfig, cp, balanced: bool = True, dp=
 
 def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, seq: int,
                            balanced: bool = True, seed: int = 0, hyper=None) -> dict:
-    """Rank-local: the runner's batches (runner.make_batches), each sequence split over the
-    ranks of `comm`; gradients summed over the group, then runner.train_single's AdamW.
-    -> dict(losses, params (host [P]), grads (the summed gradient of the last step))."""
-    from .runner import HYPER, check_same_start, make_batches
+    """runner.train_parallel on a ring of every rank of `comm` (context parallelism alone):
+    the runner's batches, each sequence split over the ranks; gradients summed over the
+    group, then runner.train_single's AdamW. -> dict(losses, params (host [P]), grads (the
+    summed gradient of the last step))."""
+    from .runner import train_parallel
 
-    hyper = dict(HYPER, **(hyper or {}))
-    model = ContextParallelDecoder(config, comm, balanced)
-    full = DecoderLM(config).init(seed).params
-    ids, targets = make_batches(config, steps, batch, seq, seed)
-    check_same_start(comm, full, ids, targets)
-    model.load_full(full)
-    shard = Replicated(comm, reduce=False)          # summed below, before the copy of grads
-    opt = adamw(model.params, shard, hyper)
-    losses, grads = [], None
-    for t in range(steps):
-        model.params.zero_grad()
-        _, loss = model.forward(backend.asarray(ids[t]), backend.asarray(targets[t]))
-        losses.append(float(loss))
-        model.backward()
-        shard.reduce_gradients(model.params)
-        grads = np.array(backend.to_numpy(model.params.grad), copy=True)
-        opt.step()
-    return dict(losses=losses, params=np.array(backend.to_numpy(model.params.data)),
-                grads=grads)
+    return train_parallel(comm, config, steps, batch, seq, dp=1, cp=comm.size,
+                          balanced=balanced, seed=seed, hyper=hyper)

@@ -41,19 +41,16 @@ into a buffer by byte offset); sequence parallelism is not combined with these s
 """
 from __future__ import annotations
 
-import time
 import weakref
 
 import numpy as np
 
-from .. import backend, checks, nn
-from ..models.decoder import DecoderConfig, DecoderLM
+from .. import backend, nn
+from ..models.decoder import DecoderConfig
 from .comm import chunk_bounds
 from .grads import tensor_parallel_mask
 from .layout import Layout
-from .mesh import Mesh
 from .model import TensorParallelDecoder
-from .optimizer import ZeRO23, adamw
 
 STAGES = (2, 3)
 KINDS = ("params", "grads", "optimizer")
@@ -409,51 +406,21 @@ class ShardedDecoder(TensorParallelDecoder):
 
 def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,
                   tp: int = 1, dp: int | None = None, stage: int = 3, seed: int = 0,
-                  hyper=None, gather: bool = True, clip: float | None = None):
-    """runner.train_parallel for ZeRO-2/3: the same batches, rows split over dp, the same
-    AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params, times,
-    norms). clip: max_norm of clipping by the global norm (as train_single's)."""
-    from .runner import HYPER, _dropout, check_same_start, make_batches
+                  hyper=None, gather: bool = True, clip: float | None = None,
+                  sequence_parallel: bool = False, micro_batches: int = 1):
+    """runner.train_parallel with ZeRO stage 2 or 3: the same batches, rows split over dp,
+    the same AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params,
+    shard_size, times, norms (with clip))."""
+    from .runner import train_parallel
 
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    if clip is not None:
-        checks.positive("clip", clip)
-    hyper = dict(HYPER, **(hyper or {}))
-    mesh = Mesh(world, tp, dp)
-    if batch % mesh.dp_size:
-        raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
-    model = ShardedDecoder(config, mesh.tp, mesh.dp, stage)
-    full = DecoderLM(config).init(seed).params
-    ids, targets = make_batches(config, steps, batch, seq, seed)
-    check_same_start(world, full, ids, targets)
-    model.load_full(full)
-    opt = adamw(ZeRO23.buffers(model), ZeRO23(model), hyper, clip=clip)
-    model.ledger.hold("optimizer", opt.m, "m")                          # [Z_d] each
-    model.ledger.hold("optimizer", opt.v, "v")
-    rows = batch // mesh.dp_size
-    b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
-    losses, step_calls, times, norms = [], [], [], []
-    for t in range(steps):
-        start = time.perf_counter()
-        model.zero_grad()
-        before = len(world.traffic.calls)
-        model.ledger.mark(f"step {t}")
-        _, loss = model.forward(backend.asarray(ids[t, b0:b1]),
-                                backend.asarray(targets[t, b0:b1]),
-                                batch_rows=(b0, b1, batch), **_dropout(config, seed, t))
-        losses.append(float(loss))
-        model.backward()
-        opt.step()
-        if clip is not None:
-            norms.append(opt.last_norm)
-        model.ledger.mark("optimizer step")
-        step_calls.append(world.traffic.calls[before:])
-        times.append(time.perf_counter() - start)
-    params = np.array(model.gather_full("data")) if gather else None
-    return dict(losses=losses, params=params, step_calls=step_calls, ledger=model.ledger,
-                local_params=model.size, shard_size=model.shard_size,
-                state_bytes=opt.state_bytes(), times=times, norms=norms)
+    out = train_parallel(world, config, steps, batch, seq, tp=tp, dp=dp, zero=stage,
+                         seed=seed, hyper=hyper, gather=gather, clip=clip,
+                         sequence_parallel=sequence_parallel, micro_batches=micro_batches)
+    if clip is None:
+        out["norms"] = []
+    return out
 
 
 __all__ = ["ShardedDecoder", "Ledger", "train_sharded", "unit_names",

@@ -13,6 +13,13 @@ still innermost: w = (d * N_P + s) * N_T + t for the stage s in 0..N_P-1, and
 
     pp group of rank w: {(d * N_P + s') * N_T + t : s'}  (same d, t)  -- the stages in order
     tp group: same d and s;   dp group: same s and t (the same stage's shard, other data)
+
+With a ring (cp = N_C, context parallelism) the mesh is 4-D, DP x PP x CP x TP:
+w = ((d * N_P + s) * N_C + c) * N_T + t. The cp group (same d, s, t) holds the chunks of one
+sequence; the data group (same s and t: dp x cp) is the group whose gradients are summed
+and over which ZeRO shards, since the ranks of a ring, like data-parallel replicas, hold the
+same parameters and compute gradients from different tokens. Without a ring the data
+group is the dp group.
 """
 from __future__ import annotations
 
@@ -20,31 +27,44 @@ from .layout import Layout
 
 
 class Mesh:
-    def __init__(self, world, tp: int = 1, dp: int | None = None, pp: int = 1):
-        for name, value in (("tp", tp), ("dp", dp), ("pp", pp)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+    def __init__(self, world, tp: int = 1, dp: int | None = None, pp: int = 1,
+                 cp: int | None = None):
+        for name, value in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        ring, cp = cp is not None, cp or 1
+        inner = tp * pp * cp
         if dp is None:
-            if world.size % (tp * pp):
-                what = f"tp={tp}" if pp == 1 else f"tp={tp} x pp={pp} = {tp * pp}"
+            if world.size % inner:
+                what = f"tp={tp}" if inner == tp else f"tp={tp} x pp={pp} x cp={cp} = {inner}"
                 raise ValueError(f"the world size {world.size} is not a multiple of {what}")
-            dp = world.size // (tp * pp)
-        if tp * dp * pp != world.size:
+            dp = world.size // inner
+        if inner * dp != world.size:
             shape = f"dp={dp} x pp={pp} x tp={tp}" if pp > 1 else f"tp={tp} x dp={dp}"
-            raise ValueError(f"the mesh {shape} needs {tp * dp * pp} ranks, but the world "
+            if cp > 1:
+                shape += f" x cp={cp}"
+            raise ValueError(f"the mesh {shape} needs {inner * dp} ranks, but the world "
                              f"has {world.size}")
-        world.check_same(f"tp={tp} dp={dp} pp={pp}", "the mesh layout")
+        world.check_same(f"tp={tp} dp={dp} pp={pp} cp={cp}", "the mesh layout")
         self.world, self.tp_size, self.dp_size, self.pp_size = world, tp, dp, pp
-        self.tp_rank = world.rank % tp
-        self.pp_rank = (world.rank // tp) % pp
-        self.dp_rank = world.rank // (tp * pp)
-        self.tp = world.split(color=self.dp_rank * pp + self.pp_rank, key=self.tp_rank,
-                              name="tp")
-        self.dp = world.split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank,
-                              name="dp")
+        self.cp_size = cp
+        w = world.rank
+        self.tp_rank = w % tp
+        self.cp_rank = (w // tp) % cp
+        self.pp_rank = (w // (tp * cp)) % pp
+        self.dp_rank = w // (tp * cp * pp)
+        d, s, c, t = self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank
+        self.tp = world.split(color=(d * pp + s) * cp + c, key=t, name="tp")
+        self.dp = world.split(color=(s * cp + c) * tp + t, key=d, name="dp")
         # the pipeline's group (stages in order) only when there is more than one stage
-        self.pp = (world.split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank,
-                               name="pp") if pp > 1 else None)
+        self.pp = (world.split(color=(d * cp + c) * tp + t, key=s, name="pp")
+                   if pp > 1 else None)
+        # the ring and the data group (dp x cp) only with a ring
+        self.cp = (world.split(color=(d * pp + s) * tp + t, key=c, name="cp")
+                   if ring else None)
+        self.data = (world.split(color=s * tp + t, key=d * cp + c, name="data")
+                     if ring else self.dp)
 
     @classmethod
     def of(cls, world, layout: Layout, config=None) -> "Mesh":
@@ -52,16 +72,17 @@ class Mesh:
         world=world.size): a refused combination or a wrong world size fails here."""
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
-        if layout.cp is not None:
-            raise ValueError("a context-parallel layout has no dp x pp x tp mesh: its group "
-                             "is the world")
         layout.validate(config, world=world.size)
-        return cls(world, tp=layout.tp, dp=layout.dp, pp=layout.pp or 1)
+        return cls(world, tp=layout.tp, dp=layout.dp, pp=layout.pp or 1, cp=layout.cp)
 
     def __repr__(self):
         if self.pp_size > 1:
             return (f"Mesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}; world "
                     f"rank {self.world.rank} = (dp {self.dp_rank}, pp {self.pp_rank}, "
+                    f"tp {self.tp_rank}))")
+        if self.cp_size > 1:
+            return (f"Mesh(dp={self.dp_size}, cp={self.cp_size}, tp={self.tp_size}; world "
+                    f"rank {self.world.rank} = (dp {self.dp_rank}, cp {self.cp_rank}, "
                     f"tp {self.tp_rank}))")
         return (f"Mesh(tp={self.tp_size}, dp={self.dp_size}; world rank {self.world.rank} = "
                 f"(dp {self.dp_rank}, tp {self.tp_rank}))")

@@ -22,7 +22,7 @@ from .grads import (
 from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
-from .optimizer import Replicated, ZeRO1, adamw
+from .optimizer import Replicated, ZeRO1, ZeRO23, adamw
 
 CONFIGS = {
     # small enough for a test, big enough to split 4 ways (heads, d_ff) and unevenly (V)
@@ -132,52 +132,73 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
 
 
 def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: int, tp: int = 1,
-                   dp: int | None = None, sequence_parallel: bool = False, zero: bool = False,
+                   dp: int | None = None, sequence_parallel: bool = False, zero=0,
                    seed: int = 0, hyper=None, gather: bool = True, micro_batches: int = 1,
                    clip: float | None = None, bucket_bytes: int | None = None,
-                   overlap: bool = True):
+                   overlap: bool = True, cp: int | None = None, balanced: bool = True):
     """Rank-local: run on every rank of `world`. The global batch [B, S] is split by rows over
-    the dp ranks. -> dict(losses, params (full, host), grads (full, of the last step, before
-    the optimizer; None with ZeRO), traffic, norms, exposed) on every rank.
+    the dp ranks (and each sequence over the cp ranks of a ring). -> dict(losses, params
+    (full, host), grads (full, of the last step, before the optimizer; None with ZeRO),
+    traffic, norms, exposed) on every rank.
 
-    micro_batches K: each rank's rows run as K micro-batches (weights c_k / T_c, counts
-    summed over dp; with dropout each draws the whole batch's masks, seeded per step, and
-    keeps its own rows, so the masks are one device's on the whole batch); clip: max_norm
-    of clipping by the global norm over TP, DP and ZeRO-1; bucket_bytes: all-reduce the
-    gradient in buckets of at most that many bytes, started during the last micro-batch's
-    backward (overlap=True) or after it (overlap=False).
+    zero: the ZeRO stage over the data group (dp, or dp x cp with a ring): 0, 1 (or
+    True), 2 or 3 (the ShardedDecoder); micro_batches K: each rank's rows run as K
+    micro-batches (weights c_k / T_c, counts summed over dp; with dropout each draws the
+    whole batch's masks, seeded per step, and keeps its own rows, so the masks are one
+    device's on the whole batch); clip: max_norm of clipping by the global norm;
+    bucket_bytes: all-reduce the gradient in buckets of at most that many bytes, started
+    during the last micro-batch's backward (overlap=True) or after it (overlap=False).
     exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
+    from .fsdp import ShardedDecoder
+
     K, max_norm = _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=True)
-    Layout(tp=tp, dp=dp or 1, sp=sequence_parallel, zero=1 if zero else 0, micro_batches=K,
-           clip=max_norm, bucket_bytes=bucket_bytes).validate(config)
+    stage = int(zero)
+    layout = Layout(tp=tp, dp=dp or world.size // (tp * (cp or 1)), sp=sequence_parallel,
+                    zero=stage, micro_batches=K, clip=max_norm, bucket_bytes=bucket_bytes,
+                    cp=cp, balanced=balanced).validate(config)
     hyper = dict(HYPER, **(hyper or {}))
-    mesh = Mesh(world, tp, dp)
+    mesh = Mesh(world, tp, dp, cp=cp)
+    layout.validate(config, world=world.size)
     if batch % mesh.dp_size:
         raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
     if (batch // mesh.dp_size) % K:
         raise ValueError(f"micro_batches ({K}) must divide the rows of each data-parallel "
                          f"rank ({batch // mesh.dp_size})")
-    model = TensorParallelDecoder(config, mesh.tp, mesh.dp, sequence_parallel)
+    data = mesh.data                 # the gradients' group: dp, or dp x cp with a ring
+    if stage >= 2:
+        model = ShardedDecoder(config, mesh.tp, data, stage, sequence_parallel, mesh.cp,
+                               balanced)
+    else:
+        model = TensorParallelDecoder(config, mesh.tp, data, sequence_parallel, mesh.cp,
+                                      balanced)
     full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(world, full, ids, targets)
     model.load_full(full)
-    tp_mask = None if max_norm is None else tensor_parallel_mask(model)    # bool [P_local]
-    # replicated: the gradient is summed below (buckets, or reduce_gradients timed alone)
-    shard = (ZeRO1(mesh.dp, mesh.tp, tp_mask) if zero
-             else Replicated(mesh.dp, mesh.tp, tp_mask, reduce=False))
-    opt = adamw(model.params, shard, hyper, clip=max_norm)
+    if stage >= 2:
+        shard = ZeRO23(model)
+        opt = adamw(ZeRO23.buffers(model), shard, hyper, clip=max_norm)
+        model.ledger.hold("optimizer", opt.m, "m")                      # [Z_d] each
+        model.ledger.hold("optimizer", opt.v, "v")
+    else:
+        tp_mask = None if max_norm is None else tensor_parallel_mask(model)  # bool [P_local]
+        # replicated: the gradient is summed below (buckets, or reduce_gradients timed alone)
+        shard = (ZeRO1(data, mesh.tp, tp_mask) if stage == 1
+                 else Replicated(data, mesh.tp, tp_mask, reduce=False))
+        opt = adamw(model.params, shard, hyper, clip=max_norm)
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
     losses, grads, step_calls, times, norms, exposed = [], None, [], [], [], []
     for t in range(steps):
         start = time.perf_counter()
-        model.params.zero_grad()
+        model.zero_grad()
         before = len(world.traffic.calls)
+        if stage >= 2:
+            model.ledger.mark(f"step {t}")
         pieces = split_micro_batches(ids[t, b0:b1], targets[t, b0:b1], K)
         weights = [1.0] if K == 1 else accumulation_weights(pieces, mesh.dp)[0]
         buckets = None if bucket_bytes is None else GradientBuckets(
-            model.params, mesh.dp, config.n_layers, bucket_bytes, blocking=not overlap)
+            model.params, data, config.n_layers, bucket_bytes, blocking=not overlap)
         loss = 0.0
         for k, ((ids_k, targets_k), w) in enumerate(zip(pieces, weights)):
             r0 = b0 + k * (rows // K)                # micro-batch k: global rows r0 ..
@@ -192,22 +213,51 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
         if buckets is not None:
             buckets.finish()
             exposed.append(buckets.exposed)
-        elif not zero:
+        elif stage == 0:
             shard.reduce_gradients(model.params)
             exposed.append(time.perf_counter() - waited)
         opt.step()
+        if stage >= 2:
+            model.ledger.mark("optimizer step")
         norms.append(opt.last_norm)
         step_calls.append(world.traffic.calls[before:])
         times.append(time.perf_counter() - start)
-        if not zero and gather and t == steps - 1:   # the summed gradient (step leaves it)
+        if stage == 0 and gather and t == steps - 1:   # the summed gradient (step leaves it)
             grads = np.array(backend.to_numpy(model.gather_full("grad")))
     params = np.array(backend.to_numpy(model.gather_full("data"))) if gather else None
-    b = np.dtype(model.params.dtype).itemsize                   # what this rank keeps:
-    held = dict(params=model.params.data.size * b, grads=model.params.grad.size * b,
-                optimizer=(opt.m.size + opt.v.size) * b)
-    return dict(losses=losses, params=params, grads=grads, step_calls=step_calls,
-                local_params=model.params.size, state_bytes=opt.state_bytes(), times=times,
-                held=held, norms=norms, exposed=exposed)
+    out = dict(losses=losses, params=params, grads=grads, step_calls=step_calls,
+               state_bytes=opt.state_bytes(), times=times, norms=norms, exposed=exposed)
+    if stage >= 2:
+        out.update(ledger=model.ledger, local_params=model.size, shard_size=model.shard_size)
+    else:
+        b = np.dtype(model.params.dtype).itemsize                   # what this rank keeps:
+        out.update(local_params=model.params.size,
+                   held=dict(params=model.params.data.size * b,
+                             grads=model.params.grad.size * b,
+                             optimizer=(opt.m.size + opt.v.size) * b))
+    return out
+
+
+def train_layout(world, config: DecoderConfig, layout: Layout, steps: int, batch: int,
+                 seq: int, seed: int = 0, hyper=None, gather: bool = True) -> dict:
+    """Train `steps` AdamW steps of the runner's batches at any layout that validates: the
+    pipeline's executor when layout.pp is set, train_parallel otherwise. -> as they return
+    (losses and the full parameters on every rank)."""
+    from .pipeline import train_pipeline
+
+    layout.validate(config, world=world.size, batch=batch, seq=seq)
+    if layout.pp is not None:
+        return train_pipeline(world, config, steps, batch, seq, pp=layout.pp,
+                              n_microbatches=layout.micro_batches,
+                              schedule=layout.pipeline_schedule, n_virtual=layout.virtual,
+                              tp=layout.tp, dp=layout.dp, seed=seed, hyper=hyper,
+                              gather=gather, clip=layout.clip, sequence_parallel=layout.sp,
+                              zero=layout.zero, cp=layout.cp, balanced=layout.balanced)
+    return train_parallel(world, config, steps, batch, seq, tp=layout.tp, dp=layout.dp,
+                          sequence_parallel=layout.sp, zero=layout.zero, seed=seed,
+                          hyper=hyper, gather=gather, micro_batches=layout.micro_batches,
+                          clip=layout.clip, bucket_bytes=layout.bucket_bytes, cp=layout.cp,
+                          balanced=layout.balanced)
 
 
 def checksum(flat) -> str:
