@@ -222,13 +222,14 @@ def test_bad_input_is_refused():
     config = CONFIGS["tiny"]()
     config.dropout = 0.1
     with pytest.raises(ValueError, match="context parallelism with dropout .cp=1, "
-                                         "dropout=0.1.: the context-parallel decoder runs "
-                                         "without dropout"):
+                                         "dropout=0.1.: ring attention draws no dropout "
+                                         "mask"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
     config = CONFIGS["tiny"]()
-    config.recompute = "full"
-    with pytest.raises(ValueError, match="recomputation in a parallel decoder "
-                                         ".recompute='full'.: .* recompute must be 'none'"):
+    config.recompute = "selective"
+    with pytest.raises(ValueError, match="context parallelism with selective recomputation "
+                                         ".cp=1, recompute='selective'.: ring attention "
+                                         "keeps no"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
 
 

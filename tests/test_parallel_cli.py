@@ -72,38 +72,19 @@ def _forbid_training(monkeypatch):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--cp", "2", "--tp", "2"], "--cp 2 --tp 2: context parallelism with tensor parallelism "
-                                 "(cp=2, tp=2): the ring splits the sequence, not the weights"),
-    (["--cp", "2", "--dp", "2"], "--cp 2 --dp 2: context parallelism with data parallelism "
-                                 "(cp=2, dp=2): every rank holds a piece of each sequence"),
-    (["--cp", "2", "--sp"], "--cp 2 --sp: context parallelism with sequence parallelism"),
-    (["--cp", "2", "--zero"], "--cp 2 --zero 1: context parallelism with ZeRO (cp=2, zero=1)"),
     (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1: context parallelism with "
                                         "dropout (cp=2, dropout=0.1)"),
-    (["--pp", "2", "--sp"], "--pp 2 --sp: pipeline with sequence parallelism"),
-    (["--pp", "2", "--zero", "2"], "--pp 2 --zero 2: ZeRO with pipeline parallelism (pp=2, "
-                                   "zero=2): the stages' optimizer is plain data parallel "
-                                   "(ZeRO 0)"),
-    (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO with pipeline parallelism"),
+    (["--pp", "2", "--zero", "2"], "--pp 2 --zero 2: ZeRO-2/3 with pipeline parallelism "
+                                   "(pp=2, zero=2): a stage keeps its parameters and "
+                                   "gradients for all its micro-batches; use ZeRO 0 or 1"),
+    (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO-2/3 with pipeline parallelism"),
     (["--pp", "2", "--dropout", "0.1"], "--pp 2 --dropout 0.1: pipeline with dropout"),
-    (["--pp", "2", "--cp", "2"], "--pp 2 --cp 2: pipeline with context parallelism (pp=2, "
-                                 "cp=2): the stages run the tensor-parallel blocks, not the "
-                                 "ring; give one of them"),
-    (["--tp", "2", "--sp", "--zero", "2"], "--zero 2 --sp: ZeRO-2/3 with sequence parallelism "
-                                           "(zero=2, sp=True): sequence parallelism runs with "
-                                           "ZeRO 0 or 1"),
-    (["--tp", "2", "--sp", "--zero", "3"], "--zero 3 --sp: ZeRO-2/3 with sequence parallelism"),
     (["--schedule", "gpipe"], "--schedule gpipe: pipeline schedule without pipeline "
                               "parallelism (schedule='gpipe', pp=None): the schedule orders "
                               "a pipeline's micro-batches; give pp with it"),
     (["--virtual", "2"], "--virtual 2: virtual stages without pipeline parallelism"),
-    (["--cp", "2", "--micro-batches", "2"], "--cp 2 --micro-batches 2: context parallelism "
-                                            "with gradient accumulation"),
-    (["--cp", "2", "--clip", "1"], "--cp 2 --clip 1.0: context parallelism with clipping"),
     (["--pp", "2", "--bucket-bytes", "64"], "--pp 2 --bucket-bytes 64: pipeline with "
                                             "gradient buckets"),
-    (["--dp", "2", "--zero", "2", "--micro-batches", "2"],
-     "--zero 2 --micro-batches 2: ZeRO-2/3 with gradient accumulation"),
     (["--pp", "2", "--virtual", "2", "--schedule", "1f1b"],
      "--pp 2 --virtual 2 --schedule 1f1b: virtual stages with a one-chunk schedule"),
     (["--pp", "2", "--virtual", "2"],          # the interleaved schedule by default
@@ -142,6 +123,13 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
     (["--dp", "2", "--micro-batches", "2", "--dropout", "0.1"],
      "world 2 = tp 1 x dp 2, sp=False, zero=0, dropout 0.1"),
     (["--tp", "2", "--sp", "--micro-batches", "2"], "world 2 = tp 2 x dp 1, sp=True, zero=0"),
+    (["--cp", "2", "--tp", "2"], "world 4 = dp 1 x cp 2 x tp 2 (ring attention"),
+    (["--cp", "2", "--dp", "2", "--zero", "3", "--clip", "1"],
+     "world 4 = dp 2 x cp 2 x tp 1 (ring attention"),
+    (["--pp", "2", "--tp", "2", "--sp"], "world 4 = dp 1 x pp 2 x tp 2, 1f1b m=2 v=1"),
+    (["--pp", "2", "--cp", "2"], "world 4 = dp 1 x pp 2 x tp 1 x cp 2, 1f1b m=2 v=1"),
+    (["--tp", "2", "--sp", "--dp", "2", "--zero", "3", "--micro-batches", "2"],
+     "world 4 = tp 2 x dp 2, sp=True, zero=3"),
 ])
 def test_every_parallelism_passes_check(args, layout, capsys):
     assert cli.main(["--simulate", *args, "--steps", "2", "--check"]) == 0

@@ -112,16 +112,16 @@ def test_unequal_token_counts_weight_every_token_alike():
     (dict(n_heads=4), dict(tp=3), "n_heads \\(4\\) must be divisible by the tensor-parallel"),
     (dict(d_ff=30), dict(tp=4), "d_ff \\(30\\) must be divisible"),
     (dict(vocab_size=3, n_heads=4), dict(tp=4), "vocab_size \\(3\\) must be at least"),
-    (dict(n_kv_heads=2), dict(tp=2), "grouped-query attention without context parallelism "
-                                      "\\(n_kv_heads=2, n_heads=4, cp=None\\)"),
-    (dict(recompute="full"), dict(tp=2), "recomputation in a parallel decoder "
-                                         "\\(recompute='full'\\): .* recompute must be 'none'"),
+    (dict(n_heads=6, n_kv_heads=2, d_ff=48), dict(tp=3),
+     "n_kv_heads \\(2\\) and the tensor-parallel degree \\(3\\) must divide one another"),
+    (dict(n_kv_heads=1, d_ff=48), dict(tp=2, clip=1.0),
+     "clipping with key/value heads shared across ranks"),
 ])
 def test_impossible_models_fail_before_any_work(changes, layout, match):
     base = dict(vocab_size=31, max_seq_len=16, d_model=24, n_layers=1, n_heads=4, d_ff=32)
     cfg = DecoderConfig(**{**base, **changes})
     with pytest.raises(ValueError, match=match):
-        SimulatedGroup(layout["tp"]).run(train_parallel, cfg, 1, 2, 8, tp=layout["tp"])
+        SimulatedGroup(layout["tp"]).run(train_parallel, cfg, 1, 2, 8, **layout)
 
 
 def test_impossible_layouts_fail_before_any_work():

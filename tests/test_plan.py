@@ -77,8 +77,10 @@ def test_layouts_not_priced_give_none_not_a_guess():
     for kwargs in (dict(pp=2, tp=2), dict(microbatches=2)):
         p = plan(config, batch=8, seq=SEQ, **kwargs)
         assert p.memory is None and p.sent is None and p.traffic is None
-    with pytest.raises(ValueError, match=r"ZeRO with pipeline parallelism \(pp=2, zero=1\)"):
-        plan(config, pp=2, dp=2, zero=1, batch=8, seq=SEQ)     # refused: no run trains it
+    with pytest.raises(ValueError, match=r"ZeRO-2/3 with pipeline parallelism \(pp=2, "
+                                         r"zero=2\)"):
+        plan(config, pp=2, dp=2, zero=2, batch=8, seq=SEQ)     # refused: no run trains it
+    assert plan(config, pp=2, dp=2, zero=1, batch=8, seq=SEQ).memory is None  # not priced
     assert plan(config, pp=2, tp=2, microbatches=2, batch=8,
                 seq=SEQ).peak_caches == [2, 2, 1, 1]
 
@@ -118,10 +120,9 @@ def test_context_parallel_refuses_and_declines():
         plan(config, cp=8, batch=2, seq=SEQ)
     with pytest.raises(ValueError, match="balanced must be True or False"):
         plan(config, cp=2, balanced="yes", batch=2, seq=SEQ)
-    for kwargs, name in ((dict(dp=2), "data parallelism"), (dict(tp=2), "tensor parallelism"),
-                         (dict(zero=1), "ZeRO"), (dict(microbatches=2), "gradient accumulation")):
-        with pytest.raises(ValueError, match=f"context parallelism with {name} "):
-            plan(config, cp=2, batch=4, seq=SEQ, **kwargs)    # refused: no run trains it
+    for kwargs in (dict(dp=2), dict(tp=2), dict(zero=1), dict(microbatches=2)):
+        p = plan(config, cp=2, batch=4, seq=SEQ, **kwargs)    # trains; not priced yet
+        assert p.memory is None and p.sent is None and p.traffic is None
 
 
 # -- every field of the plan, for several layouts, against what the runs hold and send ------------
@@ -290,9 +291,7 @@ def test_context_parallel_plans_grouped_query_attention():
                 seq=SEQ)
     assert p.traffic["cp ring"] < full.traffic["cp ring"]      # fewer K, V heads move
     for kwargs in (dict(dp=2), dict(tp=2), dict(pp=2)):
-        with pytest.raises(ValueError, match=r"grouped-query attention without context "
-                                             r"parallelism \(n_kv_heads=2, n_heads=4"):
-            plan(config, batch=2, seq=SEQ, **kwargs)
+        assert plan(config, batch=2, seq=SEQ, **kwargs).layout is not None   # trains
 
 
 def test_the_calculator_is_tfcore_parallel_plan():

@@ -57,7 +57,7 @@ import traceback
 import numpy as np
 
 from .. import kernels
-from . import context, fsdp, pipeline, runner
+from . import context, pipeline, runner
 from .comm import SimulatedGroup
 from .layout import REFUSALS, Layout, LayoutError
 from .model import check_layout as check_model_layout
@@ -139,7 +139,7 @@ OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", zero="--zero", sp="--
                balanced=None, clip="--clip", bucket_bytes="--bucket-bytes",
                algorithm="--algorithm", transport="--simulate", dropout="--dropout",
                n_kv_heads="--config", n_heads="--config", recompute="--config",
-               n_experts="--config")
+               n_experts="--config", attention="--config")
 
 
 def refusals_text() -> str:
@@ -271,54 +271,56 @@ def config_of(args):
 
 def simulated_size(args) -> int:
     """The world size of a simulated run: the product of the degrees (--dp defaults to 1)."""
-    if args.cp is not None:
-        return args.cp
-    return args.tp * (args.pp or 1) * (args.dp or 1)
+    return args.tp * (args.pp or 1) * (args.cp or 1) * (args.dp or 1)
 
 
 def check_layout(args, world_size: int) -> int:
     """The data-parallel degree of a world of `world_size` ranks; UsageError names the
-    argument when the sizes do not fit."""
+    arguments when the sizes do not fit."""
     config = config_of(args)
-    if args.cp is not None:
-        if args.cp != world_size:
-            raise UsageError(f"--cp {args.cp} needs {args.cp} ranks, but the world has "
-                             f"{world_size}")
-        try:
-            context.ContextLayout(args.seq, args.cp, balanced=True)
-        except ValueError as err:
-            raise UsageError(f"--cp {args.cp} --seq {args.seq}: {err}") from None
-        dp = 1
-    elif args.pp is not None:
-        try:
-            dp = pipeline.check_pipeline_layout(
-                config, world_size, args.pp, args.tp, args.dp, microbatches(args),
-                args.virtual or 1, args.batch, schedule(args))
-        except ValueError as err:
-            flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
-            raise UsageError(f"{flags}: {err}") from None
+    inner = args.tp * (args.pp or 1) * (args.cp or 1)
+    degrees = " x ".join(f"--{n} {getattr(args, n)}" for n in ("tp", "pp", "cp")
+                         if getattr(args, n) not in (None, 1) or n == "tp")
+    if args.dp is None:
+        if world_size % inner:
+            raise UsageError(f"{degrees}: the world size {world_size} is not a multiple of "
+                             f"{inner}")
+        dp = world_size // inner
     else:
-        if args.dp is None:
-            if world_size % args.tp:
-                raise UsageError(f"--tp {args.tp}: the world size {world_size} is not a "
-                                 f"multiple of tp={args.tp}")
-            dp = world_size // args.tp
-        else:
-            dp = args.dp
-            if args.tp * dp != world_size:
-                raise UsageError(f"--tp {args.tp} x --dp {dp} needs {args.tp * dp} ranks, but "
-                                 f"the world has {world_size}")
+        dp = args.dp
+        if inner * dp != world_size:
+            raise UsageError(f"{degrees} x --dp {dp} needs {inner * dp} ranks, but the world "
+                             f"has {world_size}")
+    if args.pp is None:                  # (the pipeline's check names its micro-batches)
         if args.batch % dp:
             raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel "
                              f"degree dp={dp}")
         if (args.batch // dp) % (args.micro_batches or 1):
             raise UsageError(f"--micro-batches {args.micro_batches} must divide the rows of "
                              f"each data-parallel rank ({args.batch // dp})")
-        try:
-            check_model_layout(config, args.tp, args.seq, args.sp)
-        except ValueError as err:
-            raise UsageError(f"--tp {args.tp}: {err}") from None
     validate_layout(args, dp, world_size)            # the combination, with the real dp
+    try:
+        check_model_layout(config, args.tp, args.seq, args.sp and args.cp is None)
+    except ValueError as err:
+        raise UsageError(f"--tp {args.tp}: {err}") from None
+    if args.cp is not None:
+        try:
+            ring = context.ContextLayout(args.seq, args.cp, balanced=True)
+            sizes = sorted({ring.local_len(r) for r in range(args.cp)})
+            if args.sp and any(n % args.tp for n in sizes):
+                raise ValueError(f"with sequence parallelism the positions each ring rank "
+                                 f"holds ({sizes}) must be divisible by the "
+                                 f"tensor-parallel degree ({args.tp})")
+        except ValueError as err:
+            raise UsageError(f"--cp {args.cp} --seq {args.seq}: {err}") from None
+    if args.pp is not None:
+        try:
+            pipeline.check_pipeline_layout(config, world_size, args.pp, args.tp, dp,
+                                           microbatches(args), args.virtual or 1, args.batch,
+                                           schedule(args), args.cp, args.sp, args.zero)
+        except ValueError as err:
+            flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
+            raise UsageError(f"{flags}: {err}") from None
     return dp
 
 
@@ -342,14 +344,19 @@ def compare(out, ref) -> tuple[float, float]:
 
 
 def layout_line(args, world_size: int) -> str:
-    if args.cp is not None:
-        line = f"world {world_size} = cp {args.cp} (ring attention, balanced chunks)"
-    elif args.pp is not None:
-        dp = world_size // (args.pp * args.tp)
-        line = (f"world {world_size} = dp {dp} x pp {args.pp} x tp {args.tp}, "
+    dp = world_size // (args.tp * (args.pp or 1) * (args.cp or 1))
+    ring = "" if args.cp is None else f" x cp {args.cp}"
+    if args.pp is not None:
+        line = (f"world {world_size} = dp {dp} x pp {args.pp} x tp {args.tp}{ring}, "
                 f"{schedule(args)} m={microbatches(args)} v={args.virtual or 1}")
+    elif args.cp is not None:
+        line = (f"world {world_size} = cp {args.cp}" if dp == args.tp == 1 else
+                f"world {world_size} = dp {dp} x cp {args.cp} x tp {args.tp}")
+        line += " (ring attention, balanced chunks)"
+        if args.sp or args.zero:
+            line += f", sp={args.sp}, zero={args.zero}"
     else:
-        line = (f"world {world_size} = tp {args.tp} x dp {world_size // args.tp}, "
+        line = (f"world {world_size} = tp {args.tp} x dp {dp}, "
                 f"sp={args.sp}, zero={args.zero}")
     if args.layers is not None:
         line += f", {args.layers} layers"
@@ -359,23 +366,9 @@ def layout_line(args, world_size: int) -> str:
 
 
 def train(world, args, dp):
-    """Rank-local: the library's training function for the chosen layout."""
-    config = config_of(args)
-    common = (world, config, args.steps, args.batch, args.seq)
-    if args.cp is not None:
-        return context.train_context_parallel(*common, balanced=True, seed=args.seed)
-    if args.pp is not None:
-        return pipeline.train_pipeline(*common, pp=args.pp, n_microbatches=microbatches(args),
-                                       schedule=schedule(args),
-                                       n_virtual=args.virtual or 1, tp=args.tp, dp=dp,
-                                       seed=args.seed, clip=args.clip)
-    if args.zero >= 2:
-        return fsdp.train_sharded(*common, tp=args.tp, dp=dp, stage=args.zero, seed=args.seed,
-                                  clip=args.clip)
-    return runner.train_parallel(*common, tp=args.tp, dp=dp, sequence_parallel=args.sp,
-                                 zero=args.zero == 1, seed=args.seed,
-                                 micro_batches=args.micro_batches or 1, clip=args.clip,
-                                 bucket_bytes=args.bucket_bytes)
+    """Rank-local: the library's one training function, at the chosen layout."""
+    return runner.train_layout(world, config_of(args), layout_of(args, dp), args.steps,
+                               args.batch, args.seq, seed=args.seed)
 
 
 def report(args, out, traffics, world_size, mode) -> int:

@@ -37,7 +37,9 @@ class Mesh:
         inner = tp * pp * cp
         if dp is None:
             if world.size % inner:
-                what = f"tp={tp}" if inner == tp else f"tp={tp} x pp={pp} x cp={cp} = {inner}"
+                what = f"tp={tp}" + (f" x pp={pp}" if pp > 1 else "") + (
+                    f" x cp={cp}" if ring else "")
+                what += "" if inner == tp else f" = {inner}"
                 raise ValueError(f"the world size {world.size} is not a multiple of {what}")
             dp = world.size // inner
         if inner * dp != world.size:

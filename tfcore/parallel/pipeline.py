@@ -47,7 +47,7 @@ from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from .mesh import Mesh
 from .layout import SCHEDULES, Layout
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
-from .optimizer import Replicated, adamw
+from .optimizer import Replicated, ZeRO1, adamw
 
 
 # ---------------------------------------------------------------------------------------
@@ -178,7 +178,8 @@ def pipeline_bytes_sent(n_stages: int, rank: int, n_microbatches: int, n_virtual
 def check_pipeline_layout(config: DecoderConfig, world_size: int, pp: int, tp: int = 1,
                           dp: int | None = None, n_microbatches: int = 1,
                           n_virtual: int = 1, batch: int | None = None,
-                          schedule: str = "1f1b") -> int:
+                          schedule: str = "1f1b", cp: int | None = None, sp: bool = False,
+                          zero: int = 0) -> int:
     """Raise ValueError naming the sizes when the layout does not divide, and Layout.validate's
     refusal of a combination; -> dp."""
     if schedule not in SCHEDULES:
@@ -187,20 +188,22 @@ def check_pipeline_layout(config: DecoderConfig, world_size: int, pp: int, tp: i
                         ("n_virtual", n_virtual)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    inner = pp * tp * (cp or 1)
+    ring = "" if cp is None else f" x cp={cp}"
     if dp is None:
-        if world_size % (pp * tp):
+        if world_size % inner:
             raise ValueError(f"the world size {world_size} is not a multiple of pp={pp} x "
-                             f"tp={tp} = {pp * tp}")
-        dp = world_size // (pp * tp)
-    if dp * pp * tp != world_size:
-        raise ValueError(f"the mesh dp={dp} x pp={pp} x tp={tp} needs {dp * pp * tp} ranks, "
-                         f"but the world has {world_size}")
+                             f"tp={tp}{ring} = {inner}")
+        dp = world_size // inner
+    if dp * inner != world_size:
+        raise ValueError(f"the mesh dp={dp} x pp={pp} x tp={tp}{ring} needs {dp * inner} "
+                         f"ranks, but the world has {world_size}")
     if config.n_layers % (pp * n_virtual):
         raise ValueError(f"n_layers ({config.n_layers}) must be divisible by pp x n_virtual "
                          f"= {pp} x {n_virtual} = {pp * n_virtual}: every virtual stage "
                          "holds the same number of blocks")
     Layout(dp=dp, tp=tp, pp=pp, micro_batches=n_microbatches, virtual=n_virtual,
-           schedule=schedule).validate(config)
+           schedule=schedule, cp=cp, sp=sp, zero=zero).validate(config)
     make_schedule(schedule, pp, n_microbatches, n_virtual)        # its own checks
     if batch is not None and batch % (dp * n_microbatches):
         raise ValueError(f"the global batch ({batch}) must be divisible by dp x "
@@ -255,15 +258,18 @@ class PipelineStage(TensorParallelDecoder):
     """
 
     def __init__(self, config: DecoderConfig, tp, n_stages: int, stage: int,
-                 n_virtual: int = 1, sequence_parallel: bool = False):
-        Layout(tp=tp.size, pp=n_stages, virtual=n_virtual,
-               sp=sequence_parallel).validate(config)
+                 n_virtual: int = 1, sequence_parallel: bool = False, cp=None,
+                 balanced: bool = True):
+        Layout(tp=tp.size, pp=n_stages, virtual=n_virtual, sp=sequence_parallel,
+               cp=None if cp is None else cp.size).validate(config)
         tp.check_same(config_hash(config, tp=tp.size, pp=n_stages, v=n_virtual),
                       "the model configuration (or the parallel layout)")
         self.n_stages, self.stage, self.n_virtual = n_stages, stage, n_virtual
         chunks = [stage_layers(config, n_stages, n_virtual, self.virtual_stage(c))
                   for c in range(n_virtual)]
-        super().__init__(config, tp, None, sequence_parallel,
+        # a micro-batch's loss: its mean over the tokens of this replica's rows (over the
+        # ring's ranks when the sequences are split); the executor weights it
+        super().__init__(config, tp, cp, sequence_parallel, cp, balanced,
                          layers=[i for layers in chunks for i in layers])
         self.chunk_layers = chunks
 
@@ -284,8 +290,10 @@ class PipelineStage(TensorParallelDecoder):
     def is_last(self, chunk: int) -> bool:
         return self.virtual_stage(chunk) == self.n_stages * self.n_virtual - 1
 
-    def chunk_forward(self, chunk: int, inputs, targets=None):
-        ctx = self.context(inputs.shape[1])
+    def chunk_forward(self, chunk: int, inputs, targets=None, seq: int | None = None):
+        """seq: the whole sequence's length (inputs of a later stage hold this rank's rows
+        of it); default: inputs' second axis."""
+        ctx = self.context(seq or inputs.shape[1])
         if self.is_first(chunk):
             self._check_ids(inputs)
         out, cache = self.forward_span(inputs, targets, ctx, self.chunk_layers[chunk],
@@ -358,7 +366,10 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
     xp = backend.xp()
     D, dtype = stage.config.d_model, stage.params.data.dtype
     like = xp.zeros((1,), dtype=dtype)
-    shape = tuple(ids.shape[1:]) + (D,)                                # [B_m, S, D]
+    seq = ids.shape[2]
+    at = stage.parts.stream_index(seq)           # the residual stream's rows of this rank
+    rows = at.stop - at.start if isinstance(at, slice) else len(at)
+    shape = (ids.shape[1], rows, D)                                    # [B_m, S_loc, D]
     expected = _messages_on_links(schedule, p, v, r)
     position = {src: 0 for src in expected}
     arrived, local, handles = {}, {}, []
@@ -395,7 +406,7 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
                 waited = ("F", i, s - 1)
                 inputs = receive(("F", i, s), (s - 1) % p)
             out, cache = stage.chunk_forward(c, inputs, backend.asarray(targets[i])
-                                             if s == last else None)
+                                             if s == last else None, seq=seq)
             caches[(i, c)] = cache
             live += 1
             chunk_bytes[c] = cache_bytes(cache)        # the same for every micro-batch
@@ -479,7 +490,9 @@ def measure_timeline(records, n_stages: int, n_virtual: int = 1, cost_forward=1,
 def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,
                    pp: int, n_microbatches: int, schedule: str = "1f1b", n_virtual: int = 1,
                    tp: int = 1, dp: int | None = None, seed: int = 0, hyper=None,
-                   gather: bool = True, clip: float | None = None):
+                   gather: bool = True, clip: float | None = None,
+                   sequence_parallel: bool = False, zero: int = 0, cp: int | None = None,
+                   balanced: bool = True):
     """Rank-local: run on every rank of `world` (SimulatedGroup or MPIComm). The global
     batch [B, S] is split by rows over the dp replicas, each replica's rows into m
     micro-batches of B_m = B / (N_D m) rows. -> dict(losses (every rank), params, grads
@@ -499,12 +512,13 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     if seq > config.max_seq_len:
         raise ValueError(f"seq ({seq}) exceeds max_seq_len={config.max_seq_len}")
     max_norm = None if clip is None else checks.positive("clip", clip)
-    check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual, batch,
-                          schedule)
-    mesh = Mesh(world, tp=tp, dp=dp, pp=pp)
+    dp = check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual,
+                               batch, schedule, cp, sequence_parallel, int(zero))
+    mesh = Mesh(world, tp=tp, dp=dp, pp=pp, cp=cp)
     plan = make_schedule(schedule, pp, n_microbatches, n_virtual)
     world.check_same(f"{schedule} m={n_microbatches} v={n_virtual}", "the pipeline schedule")
-    stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, n_virtual)
+    stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, n_virtual, sequence_parallel,
+                          mesh.cp, balanced)
     full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(world, full, ids, targets)
@@ -515,10 +529,12 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     tied = None
     if config.tied_head and p > 1 and r in (0, p - 1):
         tied = mesh.pp.subgroup([0, p - 1], name="embedding")
-    shard = Replicated(mesh.dp)
-    if max_norm is not None:            # the stage's whole gradient, reduced over dp
-        shard = Replicated(mesh.dp, mesh.tp, tensor_parallel_mask(stage), pp=mesh.pp,
-                           counted=counted_mask(stage))                    # [P_local] each
+    # the stage's whole gradient, summed over the data group (dp, or dp x cp), or its
+    # ZeRO-1 chunks; with clipping, the norm's pieces over tp and the stages
+    clipped = {} if max_norm is None else dict(
+        tp=mesh.tp, tp_mask=tensor_parallel_mask(stage), pp=mesh.pp,
+        counted=counted_mask(stage))                                       # [P_local] each
+    shard = (ZeRO1 if int(zero) == 1 else Replicated)(mesh.data, **clipped)
     opt = adamw(stage.params, shard, hyper, clip=max_norm)
     rows = batch // mesh.dp_size
     b0 = mesh.dp_rank * rows

@@ -45,6 +45,8 @@ Layouts that train but that it cannot price give None rather than a guess, and w
                                         forms price one pass of the batch per step: the
                                         collectives of each micro-batch are not priced yet
   activations with cp > 1               the ring's caches have no closed form here yet
+  a ring with dp, tp, pp, ZeRO or accumulation, ZeRO-1 under a pipeline, and key/value
+  heads shared across tensor-parallel ranks (n_kv_heads < tp): memory and bytes
 """
 from __future__ import annotations
 
@@ -169,6 +171,13 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         layout["schedule"] = schedule
     bubble = float(bubble_fraction(pp, microbatches, virtual))
     f = ITEMSIZE[dtype]
+    if cp > 1 and (dp, tp, pp, zero, microbatches) != (1, 1, 1, 0, 1):
+        layout["balanced"] = balanced             # a composed ring: not priced here yet
+        return Plan(layout, None, None, None, None, None, bubble)
+    if pp > 1 and zero:
+        return Plan(layout, None, None, None, None, None, bubble)
+    if config.n_kv_heads < tp:                    # shared key/value heads: not priced yet
+        return Plan(layout, None, None, None, None, None, bubble)
     if cp > 1:
         layout["balanced"] = balanced
         return _context_plan(config, layout, cp, balanced, batch, seq, f, algorithm, bubble)
