@@ -31,6 +31,8 @@ LAYOUTS = {
     "cp2, clip": Layout(cp=2, clip=0.05),
     "dp2, zero1, buckets": Layout(dp=2, zero=1, bucket_bytes=2048),
     "tp2 x dp2, sp, K=2, clip": Layout(tp=2, dp=2, sp=True, micro_batches=2, clip=0.05),
+    "dp2 x cp2 x tp2, zero1": Layout(dp=2, cp=2, tp=2, zero=1),
+    "pp2 x cp2 x tp2": Layout(pp=2, cp=2, tp=2, micro_batches=2),
 }
 
 BASE = dict(vocab_size=31, max_seq_len=16, d_model=16, n_layers=2, n_heads=4, d_ff=32,
