@@ -1,6 +1,7 @@
 """Every fused kernel of tfcore.kernels against the reference path of the same op.
 
-The reference is the array-API code of tfcore.functional, run with the kernels switched off
+The ops of tfcore.ops run a kernel where it takes the arguments; the reference is the
+array-API code of tfcore.functional, which the same ops run with the kernels switched off
 (``kernels.disabled()``). float64 agrees to a relative 1e-12 (the kernels sum a row in
 another order), float32 to its own precision (the kernels compute in float64). Where a kernel
 does not apply (another backend, a strided view, mixed dtypes) the reference runs, and the
@@ -15,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfcore import backend, kernels, optim
+from tfcore import backend, kernels, ops, optim
 from tfcore import functional as F
 from tfcore.backend import asarray, to_numpy
 
@@ -118,10 +119,10 @@ def test_environment_variable_selects_the_reference():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gelu(rng, dtype, form, shape):
     x, dy = randn(rng, shape, dtype, 2.0), randn(rng, shape, dtype)
-    (y, cache), (y_ref, cache_ref) = both(F.gelu_forward, x, form)
+    (y, cache), (y_ref, cache_ref) = both(ops.gelu_forward, x, form)
     assert_close(y, y_ref, dtype)
-    assert_close(*both(F.gelu_backward, dy, cache), dtype)
-    assert_close(F.gelu_backward(dy, cache_ref), F.gelu_backward(dy, cache), dtype)
+    assert_close(*both(ops.gelu_backward, dy, cache), dtype)
+    assert_close(ops.gelu_backward(dy, cache_ref), ops.gelu_backward(dy, cache), dtype)
 
 
 @needs_numba
@@ -129,9 +130,9 @@ def test_gelu(rng, dtype, form, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_softmax(rng, dtype, shape):
     z, ds = randn(rng, shape, dtype, 3.0), randn(rng, shape, dtype)
-    (s, _), (s_ref, _) = both(F.softmax_forward, z)
+    (s, _), (s_ref, _) = both(ops.softmax_forward, z)
     assert_close(s, s_ref, dtype)
-    assert_close(*both(F.softmax_backward, ds, s_ref), dtype)
+    assert_close(*both(ops.softmax_backward, ds, s_ref), dtype)
 
 
 @needs_numba
@@ -139,10 +140,10 @@ def test_softmax(rng, dtype, shape):
 def test_softmax_with_a_mask(rng, dtype):
     z, ds = randn(rng, (2, 3, 6, 6), dtype), randn(rng, (2, 3, 6, 6), dtype)
     mask = F.causal_mask(6, dtype)
-    (s, _), (s_ref, _) = both(F.softmax_forward, z, mask)
+    (s, _), (s_ref, _) = both(ops.softmax_forward, z, mask)
     assert_close(s, s_ref, dtype)
     assert float(np.abs(np.triu(s, 1)).max()) == 0.0
-    assert_close(*both(F.softmax_backward, ds, s_ref), dtype)
+    assert_close(*both(ops.softmax_backward, ds, s_ref), dtype)
 
 
 @needs_numba
@@ -152,8 +153,8 @@ def test_softmax_with_a_mask(rng, dtype):
 def test_norms(rng, dtype, kind, shape):
     x, dy = randn(rng, shape, dtype, 3.0) + 1.0, randn(rng, shape, dtype)
     g, b = randn(rng, shape[-1:], dtype), randn(rng, shape[-1:], dtype)
-    forward = F.layernorm_forward if kind == "layernorm" else F.rmsnorm_forward
-    backward = F.layernorm_backward if kind == "layernorm" else F.rmsnorm_backward
+    forward = ops.layernorm_forward if kind == "layernorm" else ops.rmsnorm_forward
+    backward = ops.layernorm_backward if kind == "layernorm" else ops.rmsnorm_backward
     args = (x, g, b) if kind == "layernorm" else (x, g)
     (y, cache), (y_ref, cache_ref) = both(forward, *args)
     assert_close(y, y_ref, dtype)
@@ -166,12 +167,12 @@ def test_norms(rng, dtype, kind, shape):
 def test_norm_of_huge_rows_falls_back_to_the_reference():
     x = np.array([[1e200, -1e200, 3.0], [1.0, 2.0, 4.0]])
     g, b = np.ones(3), np.zeros(3)
-    (y, _), (y_ref, _) = both(F.layernorm_forward, x, g, b)
+    (y, _), (y_ref, _) = both(ops.layernorm_forward, x, g, b)
     assert np.all(np.isfinite(y)) and rel(y, y_ref) <= 1e-12
-    (y, _), (y_ref, _) = both(F.rmsnorm_forward, x, g)
+    (y, _), (y_ref, _) = both(ops.rmsnorm_forward, x, g)
     assert np.all(np.isfinite(y)) and rel(y, y_ref) <= 1e-12
     with pytest.raises(ValueError, match="inf or nan"):
-        F.layernorm_forward(np.array([[np.inf, 1.0]]), np.ones(2), np.zeros(2))
+        ops.layernorm_forward(np.array([[np.inf, 1.0]]), np.ones(2), np.zeros(2))
 
 
 @needs_numba
@@ -181,13 +182,13 @@ def test_cross_entropy(rng, dtype):
     labels = rng.integers(0, 11, size=(3, 5))
     labels[0, :2] = -100
     labels = asarray(labels, "int64")
-    (loss, cache), (loss_ref, cache_ref) = both(F.cross_entropy_forward, logits, labels)
+    (loss, cache), (loss_ref, cache_ref) = both(ops.cross_entropy_forward, logits, labels)
     assert abs(float(loss) - float(loss_ref)) <= TOL[dtype] * abs(float(loss_ref))
     assert type(loss) is type(loss_ref)
-    assert_close(*both(F.cross_entropy_backward, 0.7, cache_ref), dtype)
+    assert_close(*both(ops.cross_entropy_backward, 0.7, cache_ref), dtype)
     every = asarray(np.full((3, 5), -100), "int64")
-    (loss, cache), _ = both(F.cross_entropy_forward, logits, every)
-    assert float(loss) == 0.0 and float(np.abs(F.cross_entropy_backward(1.0, cache)).max()) == 0
+    (loss, cache), _ = both(ops.cross_entropy_forward, logits, every)
+    assert float(loss) == 0.0 and float(np.abs(ops.cross_entropy_backward(1.0, cache)).max()) == 0
 
 
 @needs_numba
@@ -202,9 +203,9 @@ def test_attention(rng, dtype, causal, s_q, s_k, dropout):
 
     def run(fast):
         with (kernels.disabled() if not fast else _nothing()):
-            out, cache = F.attention_forward(q, k, v, causal=causal, dropout_p=dropout,
+            out, cache = ops.attention_forward(q, k, v, causal=causal, dropout_p=dropout,
                                              rng=backend.default_rng(5))
-            return out, cache, F.attention_backward(dout, cache)
+            return out, cache, ops.attention_backward(dout, cache)
 
     out, cache, grads = run(True)
     out_ref, cache_ref, grads_ref = run(False)
@@ -212,7 +213,7 @@ def test_attention(rng, dtype, causal, s_q, s_k, dropout):
     assert_close(cache[3], cache_ref[3], dtype)          # the probabilities A
     assert_close(grads, grads_ref, dtype)
     with kernels.disabled():                             # caches go to either backward
-        assert_close(F.attention_backward(dout, cache), grads_ref, dtype)
+        assert_close(ops.attention_backward(dout, cache), grads_ref, dtype)
 
 
 @needs_numba
@@ -220,16 +221,16 @@ def test_attention_from_a_fused_qkv_view(rng):
     qkv = randn(rng, (2, 5, 3 * 8), "float64")
     q, k, v = F.qkv_split(qkv, 2)                        # strided views
     dout = randn(rng, (2, 2, 5, 4), "float64")
-    (out, cache), (out_ref, cache_ref) = both(F.attention_forward, q, k, v, causal=True)
+    (out, cache), (out_ref, cache_ref) = both(ops.attention_forward, q, k, v, causal=True)
     assert_close(out, out_ref, "float64")
-    assert_close(*both(F.attention_backward, dout, cache_ref), "float64")
+    assert_close(*both(ops.attention_backward, dout, cache_ref), "float64")
 
 
 @needs_numba
 def test_attention_with_masks_runs_the_reference(rng):
     q = randn(rng, (1, 2, 4, 4), "float64")
     padding = asarray(np.array([[False, False, True, False]]), "bool")
-    (out, cache), (out_ref, _) = both(F.attention_forward, q, q, q, key_padding=padding)
+    (out, cache), (out_ref, _) = both(ops.attention_forward, q, q, q, key_padding=padding)
     assert rel(out, out_ref) == 0.0
 
 
@@ -240,7 +241,7 @@ def test_embedding_backward(rng, dtype):
     ids = asarray(rng.integers(0, 7, size=(4, 9)), "int64")     # repeated ids
     dx = randn(rng, (4, 9, 5), dtype)
     _, cache = F.embedding_forward(ids, W)
-    assert_close(*both(F.embedding_backward, dx, cache), dtype)
+    assert_close(*both(ops.embedding_backward, dx, cache), dtype)
 
 
 @needs_numba
@@ -265,12 +266,12 @@ def test_strided_inputs_run_the_reference(rng):
     x = randn(rng, (4, 10), "float64")[:, ::2]
     dy = randn(rng, (4, 5), "float64")
     assert not kernels.applies(x)
-    (y, cache), (y_ref, _) = both(F.gelu_forward, x)
+    (y, cache), (y_ref, _) = both(ops.gelu_forward, x)
     assert rel(y, y_ref) == 0.0
     g, b = np.ones(5), np.zeros(5)
-    (y, cache), (y_ref, _) = both(F.layernorm_forward, x, g, b)
+    (y, cache), (y_ref, _) = both(ops.layernorm_forward, x, g, b)
     assert rel(y, y_ref) == 0.0
-    assert rel(*both(F.gelu_backward, dy, (x, "none"))) == 0.0
+    assert rel(*both(ops.gelu_backward, dy, (x, "none"))) == 0.0
 
 
 @needs_numba
@@ -291,12 +292,12 @@ def test_fused_qkv_gradient_needs_no_copy(rng):
     qkv = randn(rng, (2, 6, 3 * 8), "float64")
     q, k, v = F.qkv_split(qkv, 2)
     dout = randn(rng, (2, 2, 6, 4), "float64")
-    _, cache = F.attention_forward(q, k, v, causal=True)
-    grads = F.attention_backward(dout, cache)
-    dqkv = F.qkv_merge_grads(*grads)
+    _, cache = ops.attention_forward(q, k, v, causal=True)
+    grads = ops.attention_backward(dout, cache)
+    dqkv = ops.qkv_merge_grads(*grads)
     assert np.shares_memory(dqkv, grads[0])              # written in place by the backward
     with kernels.disabled():
-        reference = F.qkv_merge_grads(*F.attention_backward(dout, cache))
+        reference = ops.qkv_merge_grads(*ops.attention_backward(dout, cache))
     assert rel(dqkv, reference) <= 1e-12
 
 
@@ -304,10 +305,10 @@ def test_fused_qkv_gradient_needs_no_copy(rng):
 @pytest.mark.parametrize("fast", [True, False])
 def test_gelu_backward_into_out(rng, fast):
     x, dy = randn(rng, (3, 8), "float64"), randn(rng, (3, 8), "float64")
-    _, cache = F.gelu_forward(x, "tanh")
-    expected = F.gelu_backward(dy, cache)
+    _, cache = ops.gelu_forward(x, "tanh")
+    expected = ops.gelu_backward(dy, cache)
     with (_nothing() if fast else kernels.disabled()):
-        dx = F.gelu_backward(dy, cache, out=dy)
+        dx = ops.gelu_backward(dy, cache, out=dy)
     assert dx is dy and rel(dx, expected) <= 1e-12
 
 
@@ -326,11 +327,11 @@ def test_gelu_in_chunks_over_threads(rng, dtype, form, threads):
     previous = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        (y, cache), (y_ref, _) = both(F.gelu_forward, x, form)
+        (y, cache), (y_ref, _) = both(ops.gelu_forward, x, form)
         assert_close(y, y_ref, dtype)
-        assert_close(*both(F.gelu_backward, dy, cache), dtype)
-        expected = F.gelu_backward(dy, cache)
-        assert F.gelu_backward(dy, cache, out=dy) is dy      # in place, chunk by chunk
+        assert_close(*both(ops.gelu_backward, dy, cache), dtype)
+        expected = ops.gelu_backward(dy, cache)
+        assert ops.gelu_backward(dy, cache, out=dy) is dy      # in place, chunk by chunk
         assert np.array_equal(dy, expected)        # another kernel, the same arithmetic
     finally:
         numba.set_num_threads(previous)
@@ -341,8 +342,8 @@ def test_gelu_in_chunks_over_threads(rng, dtype, form, threads):
 def _dense(q, k, v, dout, causal):
     """The reference attention (kernels off): out, (dq, dk, dv), lse from its scores."""
     with kernels.disabled():
-        out, cache = F.attention_forward(q, k, v, causal=causal, training=False)
-        grads = F.attention_backward(dout, cache)
+        out, cache = ops.attention_forward(q, k, v, causal=causal, training=False)
+        grads = ops.attention_backward(dout, cache)
     z = np.matmul(q, np.swapaxes(k, -1, -2)) / np.sqrt(q.shape[-1])
     if causal:
         s_q, s_k = z.shape[-2:]
@@ -496,7 +497,7 @@ def test_tiled_attention_rejects_bad_input(rng):
 @needs_numba
 @pytest.mark.parametrize("causal,s_q,s_k", [(True, 70, 70), (True, 33, 70), (False, 40, 70)])
 def test_tiled_attention_op_dispatches_to_the_kernel(rng, causal, s_q, s_k):
-    """F.tiled_attention_* runs the kernel on views of a fused qkv (copied for the call, the
+    """ops.tiled_attention_* runs the kernel on views of a fused qkv (copied for the call, the
     cache keeping the views as the reference path does), equals its own reference path in
     float64, and either path's cache goes to either backward; masks other than the causal
     one, or dropout, run the reference."""
@@ -504,19 +505,19 @@ def test_tiled_attention_op_dispatches_to_the_kernel(rng, causal, s_q, s_k):
     q = np.ascontiguousarray(qkv[:, :, s_k - s_q:, :8])
     k, v = qkv[:, :, :, 8:16], qkv[:, :, :, 16:]                     # strided views
     dout = randn(rng, (2, 3, s_q, 8), "float64")
-    fast_out, fast_cache = F.tiled_attention_forward(q, k, v, causal=causal, block_size=16)
+    fast_out, fast_cache = ops.tiled_attention_forward(q, k, v, causal=causal, block_size=16)
     assert fast_cache[1] is k and fast_cache[2] is v                 # views, not copies
     with kernels.disabled():
-        ref_out, ref_cache = F.tiled_attention_forward(q, k, v, causal=causal, block_size=16)
-        ref_grads = F.tiled_attention_backward(dout, ref_cache)
-        cross_ref = F.tiled_attention_backward(dout, fast_cache)
+        ref_out, ref_cache = ops.tiled_attention_forward(q, k, v, causal=causal, block_size=16)
+        ref_grads = ops.tiled_attention_backward(dout, ref_cache)
+        cross_ref = ops.tiled_attention_backward(dout, fast_cache)
     assert rel(fast_out, ref_out) <= 1e-12
-    for grads in (F.tiled_attention_backward(dout, fast_cache), cross_ref,
-                  F.tiled_attention_backward(dout, ref_cache)):
+    for grads in (ops.tiled_attention_backward(dout, fast_cache), cross_ref,
+                  ops.tiled_attention_backward(dout, ref_cache)):
         for grad, ref in zip(grads, ref_grads):
             assert rel(grad, ref) <= 1e-12, rel(grad, ref)
     padding = np.zeros((2, s_k), dtype=bool)
-    with_padding = F.tiled_attention_forward(q, k, v, key_padding=padding, causal=causal)
+    with_padding = ops.tiled_attention_forward(q, k, v, key_padding=padding, causal=causal)
     assert with_padding[1][5]["key_padding"] is not None            # the reference's cache
     assert rel(with_padding[0], ref_out) <= 1e-12                  # nothing padded here
 
@@ -592,7 +593,7 @@ def test_causal_softmax_split_over_queries(rng, monkeypatch, s_q):
     with kernels.disabled():
         hidden = np.arange(7)[None, :] > np.arange(s_q)[:, None] + 7 - s_q
         mask = np.where(hidden, -np.inf, 0.0)             # [S_q, S_k], keys past i + S_k - S_q
-        A_ref, _ = F.softmax_forward(0.5 * z, mask)
+        A_ref, _ = ops.softmax_forward(0.5 * z, mask)
     assert rel(A, A_ref) <= 1e-12
     dz = kernels.attention_softmax_backward_(dA.copy(), A, 0.5, True)
     assert rel(dz, 0.5 * A_ref * (dA - (dA * A_ref).sum(-1, keepdims=True))) <= 1e-12
@@ -653,12 +654,12 @@ def test_tiled_gradient_of_the_fused_qkv_needs_no_copy(rng):
     qkv = randn(rng, (2, 70, 3 * 8), "float64")
     q, k, v = F.qkv_split(qkv, 2)
     dout = randn(rng, (2, 2, 70, 4), "float64")
-    _, cache = F.tiled_attention_forward(q, k, v, causal=True, block_size=16)
-    grads = F.tiled_attention_backward(dout, cache)
-    dqkv = F.qkv_merge_grads(*grads)
+    _, cache = ops.tiled_attention_forward(q, k, v, causal=True, block_size=16)
+    grads = ops.tiled_attention_backward(dout, cache)
+    dqkv = ops.qkv_merge_grads(*grads)
     assert np.shares_memory(dqkv, grads[0]) and np.shares_memory(dqkv, grads[2])
     with kernels.disabled():
-        reference = F.qkv_merge_grads(*F.tiled_attention_backward(dout, cache))
+        reference = ops.qkv_merge_grads(*ops.tiled_attention_backward(dout, cache))
     assert rel(dqkv, reference) <= 1e-12
 
 
@@ -676,20 +677,20 @@ def test_fused_tanh_gelu_is_the_reference_to_the_last_bit(rng, monkeypatch, dtyp
     with np.errstate(all="ignore"):
         for fused in (True, False):
             monkeypatch.setattr(kernels.elementwise, "FUSED_GELU", fused)
-            y, cache = F.gelu_forward(x, "tanh")
-            results[fused] = (y, F.gelu_backward(dy, cache))
+            y, cache = ops.gelu_forward(x, "tanh")
+            results[fused] = (y, ops.gelu_backward(dy, cache))
         with kernels.disabled():
-            y, cache = F.gelu_forward(x, "tanh")
-            reference = (y, F.gelu_backward(dy, cache))
+            y, cache = ops.gelu_forward(x, "tanh")
+            reference = (y, ops.gelu_backward(dy, cache))
     for fast, slow, ref in zip(results[True], results[False], reference):
         assert np.array_equal(fast, ref, equal_nan=True)
         assert np.array_equal(slow, ref, equal_nan=True)
 
 
 class _ChecksOnly:
-    """Stands in for tfcore.kernels in the model helpers only: their unchecked shortcuts
-    never apply, so every op goes through the public, checked function (which still
-    dispatches to the real kernels)."""
+    """Stands in for tfcore.kernels in the block's element-wise steps only: their unchecked
+    shortcuts never apply, so every op goes through the public, checked function (which
+    still dispatches to the real kernels)."""
 
     @staticmethod
     def applies(*arrays, contiguous=True):
@@ -702,10 +703,10 @@ class _ChecksOnly:
                                                   ("tiled", "layernorm", "swiglu")])
 def test_the_model_shortcuts_give_the_checked_ops_results_bit_for_bit(
         rng, monkeypatch, dtype, attention, norm, mlp):
-    """The decoder's hot path (nn's layer helpers and the block's element-wise steps) skips
-    the public ops' argument checks where the kernels take the arrays: loss, logits and
-    every gradient must be the very numbers of the checked path."""
-    from tfcore import nn
+    """The decoder's hot path (nn's layer helpers, trusted calls of tfcore.ops, and the
+    block's element-wise steps) skips the public ops' argument checks where the kernels take
+    the arrays: loss, logits and every gradient must be the very numbers of the checked
+    path (ops.CHECK_TRUSTED makes the trusted calls check)."""
     from tfcore.models import blocks
     from tfcore.models.decoder import DecoderConfig, DecoderLM
 
@@ -721,7 +722,7 @@ def test_the_model_shortcuts_give_the_checked_ops_results_bit_for_bit(
         return to_numpy(logits), float(loss), to_numpy(model.params.grad).copy()
 
     fast = run()
-    monkeypatch.setattr(nn, "kernels", _ChecksOnly)
+    monkeypatch.setattr(ops, "CHECK_TRUSTED", True)
     monkeypatch.setattr(blocks, "kernels", _ChecksOnly)
     checked = run()
     assert np.array_equal(fast[0], checked[0])
@@ -821,16 +822,16 @@ def test_cross_entropy_backward_can_overwrite_the_probabilities(rng, dtype):
     logits = randn(rng, (3, 5, 7), dtype)
     labels = rng.integers(0, 7, size=(3, 5))
     labels[1, 2] = -100
-    _, cache = F.cross_entropy_forward(logits, labels)
-    fresh = F.cross_entropy_backward(0.5, cache)
-    spent = F.cross_entropy_backward(0.5, cache, overwrite=True)
+    _, cache = ops.cross_entropy_forward(logits, labels)
+    fresh = ops.cross_entropy_backward(0.5, cache)
+    spent = ops.cross_entropy_backward(0.5, cache, overwrite=True)
     assert np.shares_memory(spent, cache[0])
     assert np.array_equal(spent, fresh) and not spent[1, 2].any()
     with kernels.disabled():
-        _, cache = F.cross_entropy_forward(logits, labels)
-        assert rel(F.cross_entropy_backward(0.5, cache, overwrite=True), fresh) <= 1e-6
+        _, cache = ops.cross_entropy_forward(logits, labels)
+        assert rel(ops.cross_entropy_backward(0.5, cache, overwrite=True), fresh) <= 1e-6
     with pytest.raises(TypeError, match="overwrite must be True or False"):
-        F.cross_entropy_backward(0.5, cache, overwrite="yes")
+        ops.cross_entropy_backward(0.5, cache, overwrite="yes")
 
 
 @needs_numba

@@ -3,8 +3,11 @@
 Modules:
     backend     which array library computes (NumPy, CuPy, or array-api-strict for testing)
     checks      argument validation with clear errors, shared by every op
-    functional  stateless forward/backward pairs, one module per family of ops
-    kernels     fused Numba kernels for the CPU; TFCORE_KERNELS=0 selects the reference path
+    functional  stateless forward/backward pairs, one module per family of ops (the reference)
+    ops         the one dispatch seat: each accelerated op runs a registered kernel where it
+                takes the arguments, the functional op otherwise
+    kernels     fused Numba kernels for the CPU, registered with ops; TFCORE_KERNELS=0 selects
+                the reference path
     nn          Parameters: one flat buffer of values and one of gradients, views by name
     models      blocks, the decoder LM, note 001's encoder classifier and MLP, note 002's
                 autoencoder, size tables
@@ -22,10 +25,12 @@ Modules:
     gradcheck   finite differences and relative-error helpers
     mixed_precision  bfloat16/float16 matmuls with float32 accumulation, loss scaling
     symbolic    SymPy helpers the chapters share
-Only backend, checks, functional and gradcheck are imported with the package; the others
-are imported on demand (`from tfcore.models import DecoderLM`).
+Only backend, checks, functional, ops, kernels (which registers its kernels with ops) and
+gradcheck are imported with the package; the others are imported on demand
+(`from tfcore.models import DecoderLM`).
 """
 from . import backend, checks, functional, gradcheck  # tfcore.symbolic (SymPy) is imported on demand
+from . import ops, kernels  # noqa: E402  (kernels after ops: importing it registers the kernels)
 
-__all__ = ["backend", "checks", "functional", "gradcheck"]
+__all__ = ["backend", "checks", "functional", "gradcheck", "kernels", "ops"]
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ The design, as the hardware does it
   has float32's 8 exponent bits and needs no scaling: a scaler for it is refused.
 
 Kernels: ``autocast`` switches tfcore's fused CPU kernels off inside its block
-(``kernels.disabled()``), so every product goes through ``backend.matmul`` and the reference
+(``ops.reference_only()``), so every product goes through ``backend.matmul`` and the reference
 ops run: the rounding happens in one place, the one the book proves.
 
 Error bars (the chapter derives them): one product C = A B with reduction length K computed
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from . import backend, checks, kernels
+from . import backend, checks, ops
 from .backend import namespace
 
 FORMATS = ("float32", "bfloat16", "float16")
@@ -175,7 +175,7 @@ def autocast(dtype: str = "bfloat16", record: list | None = None):
                            xp.asarray(out, copy=True)))
         return out
 
-    with kernels.disabled():
+    with ops.reference_only():
         previous = backend.set_matmul_policy(product)
         try:
             yield
@@ -357,8 +357,8 @@ def mixed_precision_step(model, optimizer, ids, targets, dtype: str = "bfloat16"
     number >= 0 (0: no clipping), checked before anything runs.
     Returns {"loss": float, "stepped": bool, "scale": float (1.0 without a scaler)}.
     """
-    from .functional import cross_entropy_backward, cross_entropy_forward
     from .models.decoder import IGNORE_INDEX
+    from .ops import cross_entropy_backward, cross_entropy_forward
 
     grad_clip = checks.nonnegative("grad_clip", grad_clip)
     if scaler is not None and not isinstance(scaler, LossScaler):

@@ -22,8 +22,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from . import backend, checks, kernels
-from . import functional as F
+from . import backend, checks, ops
 from .backend import FLOAT_DTYPES
 
 
@@ -211,9 +210,9 @@ def accumulate(params: Parameters, name: str, grad) -> None:
 
 
 # The helpers below run inside a model, on arrays the model made itself (shapes, dtypes and
-# library agree by construction). Where the fused kernels take the arrays they call them
-# directly, skipping the public op's argument checks (a few microseconds each, hundreds of
-# times a step); anything else goes through the checked op. The results are the same arrays.
+# library agree by construction). They call the ops of tfcore.ops as trusted calls: where a
+# kernel takes the arrays, the argument checks are skipped (a few microseconds each, hundreds
+# of times a step); anything else goes through the checked op. The results are the same arrays.
 
 def linear_forward(params: Parameters, name: str, x):
     """y = x @ W + b with W = params[name.W] [D_in, D_out] and b = params[name.b] if present.
@@ -222,9 +221,7 @@ def linear_forward(params: Parameters, name: str, x):
     """
     W = params._values[name + ".W"]
     bias = params._values.get(name + ".b")
-    if kernels.applies(x, W, bias, contiguous=False) and x.shape[-1] == W.shape[0]:
-        return kernels.linear_forward(x, W, bias), (x, W, bias is not None)
-    return F.linear_forward(x, params[name + ".W"], bias)
+    return ops.linear_forward(x, W, bias, trusted=True)
 
 
 def linear_backward(params: Parameters, name: str, dy, cache, overwrite_input: bool = False):
@@ -232,20 +229,10 @@ def linear_backward(params: Parameters, name: str, dy, cache, overwrite_input: b
 
     overwrite_input=True: the caller needs the cached input no more, and the fused kernel may
     write dx over it (one input-sized array fewer at the backward's peak)."""
-    x, W, has_bias = cache
     grads = params._grads
-    if (kernels.applies(dy, x, W, contiguous=False)
-            and dy.shape == x.shape[:-1] + (W.shape[1],)):
-        into = (grads[name + ".W"], grads[name + ".b"] if has_bias else None)
-        return kernels.linear_backward(dy, x, W, has_bias, overwrite_x=overwrite_input,
-                                       grads=into)[0]
-    dx, dW, db = F.linear_backward(dy, cache)
-    view = grads[name + ".W"]
-    view += dW
-    if db is not None:
-        view = grads[name + ".b"]
-        view += db
-    return dx
+    gb = grads[name + ".b"] if cache[2] else None                    # cache: (x, W, has_bias)
+    return ops.linear_backward_into(dy, cache, grads[name + ".W"], gb, overwrite_input,
+                                    trusted=True)
 
 
 NORMS = ("layernorm", "rmsnorm")
@@ -301,34 +288,22 @@ def norm_forward(params: Parameters, name: str, x, kind: str, eps: float):
 def _norm_forward(params, name, x, kind, eps):
     values = params._values
     if kind == "layernorm":
-        gain, shift = values[name + ".g"], values[name + ".b"]
-        if (kernels.applies(x, gain, shift) and eps > 0 and x.ndim >= 1
-                and x.shape[-1] == gain.shape[0] > 0
-                and (done := kernels.layernorm_forward(x, gain, shift, eps))):
-            return done
-        return F.layernorm_forward(x, gain, shift, eps)
+        return ops.layernorm_forward(x, values[name + ".g"], values[name + ".b"], eps,
+                                     trusted=True)
     if kind == "rmsnorm":
-        gain = values[name + ".g"]
-        if (kernels.applies(x, gain) and eps > 0 and x.ndim >= 1
-                and x.shape[-1] == gain.shape[0] > 0
-                and (done := kernels.rmsnorm_forward(x, gain, eps))):
-            return done
-        return F.rmsnorm_forward(x, gain, eps)
+        return ops.rmsnorm_forward(x, values[name + ".g"], eps, trusted=True)
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
 def norm_backward(params: Parameters, name: str, dy, cache, kind: str):
     """Adds dgain (and dshift) into the gradient views; returns dx."""
     grads = params._grads
-    fast = kernels.applies(dy, *cache) and dy.shape == cache[0].shape
     if kind == "layernorm":
-        dx, dgain, dshift = (kernels.layernorm_backward(dy, cache) if fast
-                             else F.layernorm_backward(dy, cache))
+        dx, dgain, dshift = ops.layernorm_backward(dy, cache, trusted=True)
         view = grads[name + ".b"]
         view += dshift
     else:
-        dx, dgain = (kernels.rmsnorm_backward(dy, cache) if fast
-                     else F.rmsnorm_backward(dy, cache))
+        dx, dgain = ops.rmsnorm_backward(dy, cache, trusted=True)
     view = grads[name + ".g"]
     view += dgain
     return dx

@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from . import checks, kernels
+from . import checks, ops
 from .backend import is_cupy, is_numpy, namespace, to_numpy
 
 CLIP_GUARD = 1e-6          # added to the norm before dividing (as PyTorch)
@@ -122,9 +122,10 @@ def adamw_update(p, g, m, v, step: int, lr: float, beta1: float = 0.9, beta2: fl
         check_hyperparameter(name, value)
     bias1 = 1.0 - beta1**step
     bias2 = 1.0 - beta2**step
-    if kernels.applies(p, g, m, v, decay_mask):
-        kernels.adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2,
-                             decay_mask)
+    run = ops.kernel_for("adamw_update", p, g, m, v, step, lr, beta1, beta2, eps,
+                         weight_decay, decay_mask)
+    if run is not None:                 # the same arithmetic in one pass (tfcore.ops' table)
+        run(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias1, bias2, decay_mask)
         return
     lib = _ufunc_library(p)
     if lib is not None:

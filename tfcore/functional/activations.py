@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks, kernels
+from .. import backend, checks
+from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import namespace
 from ._caches import GeluCache, ReluCache, SiluCache, Spec, SwigluCache
 
@@ -75,10 +76,10 @@ def gelu_forward(x, approximate: str = "none"):
     tanh:  0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     x [...]  ->  y [...]; the cache is x itself (not a copy) and the form.
     """
-    checks.float_inputs(x=x)
-    checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
-    if kernels.applies(x):
-        return kernels.gelu_forward(x, approximate), GeluCache(x, approximate)
+    _check_gelu_forward(x, approximate)
+    if kernels.applies(x):  # dispatch: moves to ops (models)
+        y = kernels.gelu_forward(x, approximate)  # dispatch: moves to ops (models)
+        return y, GeluCache(x, approximate)  # dispatch: moves to ops (models)
     if approximate == "none":
         y = _normal_cdf(x)                  # Phi(x)
         y *= x
@@ -100,12 +101,9 @@ def gelu_backward(dy, cache, out=None):
     dy [...]  ->  dx [...]; with `out` (an array like dy, which may be dy itself when the
     caller has no further use for it) dx is written into out and out is returned.
     """
-    x, approximate = cache
-    checks.upstream_like("dy", dy, x)
-    if out is not None:
-        checks.upstream_like("out", out, x)
-    if kernels.applies(dy, x, out):
-        return kernels.gelu_backward(dy, x, approximate, out=out)
+    x, approximate = _check_gelu_backward(dy, cache, out)
+    if kernels.applies(dy, x, out):  # dispatch: moves to ops (models)
+        return kernels.gelu_backward(dy, x, approximate, out)  # dispatch: moves to ops (models)
     xp = namespace(dy, x)
     if approximate == "none":
         with backend.expected_overflow():   # x^2 = inf for huge |x|: exp(-inf) = 0, as it should
@@ -136,6 +134,23 @@ def gelu_backward(dy, cache, out=None):
         out[...] = grad
         return out
     return grad
+
+
+# the checks of the GELU pair (tfcore.ops makes them before a kernel's work)
+
+def _check_gelu_forward(x, approximate):
+    """gelu_forward's checks: x a float array, approximate one of GELU_APPROXIMATIONS."""
+    checks.float_inputs(x=x)
+    checks.choice("approximate", approximate, GELU_APPROXIMATIONS)
+
+
+def _check_gelu_backward(dy, cache, out):
+    """gelu_backward's checks: dy (and out) like the forward's x -> (x, approximate)."""
+    x, approximate = cache
+    checks.upstream_like("dy", dy, x)
+    if out is not None:
+        checks.upstream_like("out", out, x)
+    return x, approximate
 
 
 # --------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from .. import checks, kernels
+from .. import checks
+from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import matmul, namespace
 from ._caches import AttentionCache, Spec
 from .regularization import dropout_backward, dropout_forward
@@ -116,15 +117,15 @@ def attention_forward(
     probabilities A' = A * keep / (1 - p); the scores themselves are never needed again.
     Masks are constants: they get no gradient.
     """
-    xp, causal, dropout_p, training = _check_settings(q, k, v, causal, dropout_p, training)
+    xp, causal, dropout_p, training, scale = _check_attention_forward(q, k, v, causal,
+                                                                      dropout_p, training)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
     dtype = q.dtype
-    scale = 1.0 / math.sqrt(d_h)
-    if (mask is None and key_padding is None and s_q <= s_k
-            and kernels.applies(q, k, v, contiguous=False)):
-        out, cache = kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)
-        return out, AttentionCache(*cache)
+    if (mask is None and key_padding is None and s_q <= s_k  # dispatch: moves to ops (models)
+            and kernels.applies(q, k, v, contiguous=False)):  # dispatch: moves to ops (models)
+        out, c = kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)  # dispatch: moves to ops (models)
+        return out, AttentionCache(*c)  # dispatch: moves to ops (models)
 
     z = matmul(q, xp.matrix_transpose(k), "attention")              # [B, H, S_q, S_k]
     z *= scale
@@ -161,10 +162,9 @@ def attention_backward(dout, cache):
 
     dout [B, H, S_q, D_v]  ->  dq [B, H, S_q, D_h], dk [B, H, S_k, D_h], dv [B, H, S_k, D_v]
     """
-    q, k, v, A, drop, scale, (out_shape, out_dtype, xp) = cache
-    checks.upstream("dout", dout, out_shape, out_dtype, xp)
-    if kernels.applies(dout, q, k, v, A, contiguous=False) and A.flags.c_contiguous:
-        return kernels.attention_backward(dout, cache)
+    q, k, v, A, drop, scale, xp = _check_attention_backward(dout, cache)
+    if kernels.applies(dout, q, k, v, A, contiguous=False) and A.flags.c_contiguous:  # dispatch: moves to ops (models)
+        return kernels.attention_backward(dout, cache)  # dispatch: moves to ops (models)
     A_dropped = dropout_backward(A, drop)                           # [B, H, S_q, S_k]
     dv = matmul(xp.matrix_transpose(A_dropped), dout, "attention")  # [B, H, S_k, D_v]
     del A_dropped
@@ -240,16 +240,38 @@ def qkv_merge_grads(dq, dk, dv):
     One copy: the three gradients are written into one [B, S, 3, H, D_h] buffer, which is
     then reshaped (a view) to [B, S, 3D].
     """
-    checks.float_inputs(dq=dq, dk=dk, dv=dv)
-    checks.ndim("dq", dq, 4)
-    checks.shape("dk", dk, tuple(dq.shape))
-    checks.shape("dv", dv, tuple(dq.shape))
+    _check_qkv_merge_grads(dq, dk, dv)
     batch, heads, seq, d_h = dq.shape
-    if kernels.applies(dq, dk, dv, contiguous=False) and (
-            fused := kernels.fused_qkv_grads(dq, dk, dv)) is not None:
-        return fused
+    if kernels.applies(dq, dk, dv, contiguous=False) and (  # dispatch: moves to ops (models)
+            fused := kernels.fused_qkv_grads(dq, dk, dv)) is not None:  # dispatch: moves to ops (models)
+        return fused  # dispatch: moves to ops (models)
     xp = namespace(dq, dk, dv)
     dqkv = xp.empty((batch, seq, 3, heads, d_h), dtype=dq.dtype)
     for index, grad in enumerate((dq, dk, dv)):
         dqkv[:, :, index, :, :] = xp.permute_dims(grad, (0, 2, 1, 3))
     return xp.reshape(dqkv, (batch, seq, 3 * heads * d_h))
+
+
+# -- the checks each op makes before its work (tfcore.ops makes them before a kernel's) --------
+
+def _check_attention_forward(q, k, v, causal, dropout_p, training):
+    """attention_forward's checks of q, k, v and the settings -> (xp, causal, dropout_p,
+    training, the scores' scale 1 / sqrt(D_h))."""
+    xp, causal, dropout_p, training = _check_settings(q, k, v, causal, dropout_p, training)
+    return xp, causal, dropout_p, training, 1.0 / math.sqrt(q.shape[3])
+
+
+def _check_attention_backward(dout, cache):
+    """attention_backward's check: dout like the forward's output -> (q, k, v, A, drop,
+    scale, xp)."""
+    q, k, v, A, drop, scale, (out_shape, out_dtype, xp) = cache
+    checks.upstream("dout", dout, out_shape, out_dtype, xp)
+    return q, k, v, A, drop, scale, xp
+
+
+def _check_qkv_merge_grads(dq, dk, dv):
+    """qkv_merge_grads' checks: dq, dk, dv [B, H, S, D_h] of one float dtype and library."""
+    checks.float_inputs(dq=dq, dk=dk, dv=dv)
+    checks.ndim("dq", dq, 4)
+    checks.shape("dk", dk, tuple(dq.shape))
+    checks.shape("dv", dv, tuple(dq.shape))

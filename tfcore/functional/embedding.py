@@ -1,7 +1,8 @@
 """Embedding lookup and positions (chapter 2): forward/backward pairs."""
 from __future__ import annotations
 
-from .. import backend, checks, kernels
+from .. import backend, checks
+from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import namespace
 from ._caches import EmbeddingCache, PositionalCache
 from ._common import _flat_rows
@@ -31,13 +32,20 @@ def embedding_backward(dx, cache):
 
     dx [..., D]  ->  dW [V, D]   (integer ids have no gradient)
     """
-    flat_ids, x_shape, w_dtype, w_shape = cache
-    checks.upstream("dx", dx, x_shape, w_dtype, namespace(flat_ids))
-    if kernels.applies(dx):
-        return kernels.embedding_backward(dx, flat_ids, w_shape)
+    flat_ids, w_shape = _check_embedding_backward(dx, cache)
+    if kernels.applies(dx):  # dispatch: moves to ops (models)
+        return kernels.embedding_backward(dx, flat_ids, w_shape)  # dispatch: moves to ops (models)
     xp = namespace(dx)
     dW = xp.zeros(w_shape, dtype=dx.dtype)
     return backend.scatter_add(dW, flat_ids, _flat_rows(dx, w_shape[1]))
+
+
+def _check_embedding_backward(dx, cache):
+    """embedding_backward's check (tfcore.ops makes it before a kernel's work): dx like the
+    forward's output x -> (the flat ids [N], W's shape)."""
+    flat_ids, x_shape, w_dtype, w_shape = cache
+    checks.upstream("dx", dx, x_shape, w_dtype, namespace(flat_ids))
+    return flat_ids, w_shape
 
 
 def sinusoidal_positions(length: int, width: int, dtype="float64", base: float = 10000.0):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks, kernels
+from .. import backend, checks
 from ..backend import namespace
 from ._caches import NormCache
 from ._common import _sum_over_leading
@@ -35,14 +35,7 @@ def layernorm_forward(x, gamma, beta, eps: float = 1e-5):
     function: (x - mu) / sqrt(var + eps) = (x/s - mu/s) / sqrt(var/s^2 + eps/s^2). So the
     result is right (and never beta by overflow) for any finite x.
     """
-    xp = checks.float_inputs(x=x, gamma=gamma, beta=beta)
-    eps = checks.positive("eps", eps)
-    width = checks.width("x", x, "D")
-    checks.shape("gamma", gamma, (width,))
-    checks.shape("beta", beta, (width,))
-    if kernels.applies(x, gamma, beta) and (
-            done := kernels.layernorm_forward(x, gamma, beta, eps)):
-        return done
+    xp, eps = _check_layernorm_forward(x, gamma, beta, eps)
     with backend.expected_overflow():                                           # repaired below
         centered = x - xp.mean(x, axis=-1, keepdims=True)
         var = xp.mean(centered * centered, axis=-1, keepdims=True)              # [..., 1]
@@ -68,10 +61,7 @@ def layernorm_backward(dy, cache):
 
     dy [..., D]  ->  dx [..., D], dgamma [D] = sum(dy * xhat), dbeta [D] = sum(dy)
     """
-    xhat, rstd, gamma = cache
-    checks.upstream_like("dy", dy, xhat)
-    if kernels.applies(dy, xhat, rstd, gamma):
-        return kernels.layernorm_backward(dy, cache)
+    xhat, rstd, gamma = _check_norm_backward(dy, cache)
     xp = namespace(dy)
     g = dy * gamma
     dx = rstd * (g - xp.mean(g, axis=-1, keepdims=True) - xhat * xp.mean(g * xhat, axis=-1, keepdims=True))
@@ -86,11 +76,7 @@ def rmsnorm_forward(x, gain, eps: float = 1e-6):
     Where mean(x^2) overflows, rows are divided by max |x| first and normalized with
     eps / s^2: the same function, computed without overflow (see layernorm_forward).
     """
-    xp = checks.float_inputs(x=x, gain=gain)
-    eps = checks.positive("eps", eps)
-    checks.shape("gain", gain, (checks.width("x", x, "D"),))
-    if kernels.applies(x, gain) and (done := kernels.rmsnorm_forward(x, gain, eps)):
-        return done
+    xp, eps = _check_rmsnorm_forward(x, gain, eps)
     with backend.expected_overflow():                                           # repaired below
         mean_square = xp.mean(x * x, axis=-1, keepdims=True)                    # [..., 1]
     if bool(xp.all(xp.isfinite(mean_square))):
@@ -111,11 +97,36 @@ def rmsnorm_backward(dy, cache):
 
     dy [..., D]  ->  dx [..., D], dgain [D] = sum(dy * xhat)
     """
-    xhat, rrms, gain = cache
-    checks.upstream_like("dy", dy, xhat)
-    if kernels.applies(dy, xhat, rrms, gain):
-        return kernels.rmsnorm_backward(dy, cache)
+    xhat, rrms, gain = _check_norm_backward(dy, cache)
     xp = namespace(dy)
     g = dy * gain
     dx = rrms * (g - xhat * xp.mean(g * xhat, axis=-1, keepdims=True))
     return dx, _sum_over_leading(dy * xhat)
+
+
+# -- the checks each op makes before its work (tfcore.ops makes them before a kernel's) --------
+
+def _check_layernorm_forward(x, gamma, beta, eps):
+    """layernorm_forward's checks: x [..., D], gamma [D], beta [D] of one float dtype and
+    library, D >= 1, eps a finite number > 0 -> (xp, eps as a float)."""
+    xp = checks.float_inputs(x=x, gamma=gamma, beta=beta)
+    eps = checks.positive("eps", eps)
+    width = checks.width("x", x, "D")
+    checks.shape("gamma", gamma, (width,))
+    checks.shape("beta", beta, (width,))
+    return xp, eps
+
+
+def _check_rmsnorm_forward(x, gain, eps):
+    """rmsnorm_forward's checks: x [..., D], gain [D], D >= 1, eps > 0 -> (xp, eps)."""
+    xp = checks.float_inputs(x=x, gain=gain)
+    eps = checks.positive("eps", eps)
+    checks.shape("gain", gain, (checks.width("x", x, "D"),))
+    return xp, eps
+
+
+def _check_norm_backward(dy, cache):
+    """The backwards' check: dy like the forward's output -> (xhat, the rows' scale, gain)."""
+    xhat, scale, gain = cache
+    checks.upstream_like("dy", dy, xhat)
+    return xhat, scale, gain

@@ -50,10 +50,17 @@ def residual_forward(x, fx):
 
     The cache records y's shape, dtype and library, for the backward's check.
     """
-    xp = checks.float_inputs(x=x, fx=fx)
-    checks.shape("fx", fx, tuple(x.shape))
+    xp = _check_residual_forward(x, fx)
     y = x + fx
     return y, Spec(tuple(y.shape), y.dtype, xp)
+
+
+def _check_residual_forward(x, fx):
+    """residual_forward's checks (tfcore.ops makes them before a kernel's sum): x, fx float
+    arrays of one shape, dtype and library -> the namespace."""
+    xp = checks.float_inputs(x=x, fx=fx)
+    checks.shape("fx", fx, tuple(x.shape))
+    return xp
 
 
 def residual_backward(dy, cache=None):

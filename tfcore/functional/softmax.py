@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from .. import backend, checks, kernels
+from .. import backend, checks
+from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import namespace
 from ._caches import CrossEntropyCache
 from ._common import _flat_rows
@@ -53,16 +54,7 @@ def softmax_forward(z, mask=None):
     K must be at least 1; an empty batch gives an empty s. A row that is all -inf (after
     the mask) is an error. The cache is s itself: the same array as the output.
     """
-    xp = checks.float_inputs(z=z)
-    checks.width("z", z, "K")
-    if mask is not None:
-        _check_mask(mask, z)
-        z = z + mask
-    m = xp.max(z, axis=-1, keepdims=True)                               # [..., 1]
-    _check_rows("z" if mask is None else "z + mask", z, m)
-    if kernels.applies(z):
-        s = kernels.softmax_forward(z)
-        return s, s
+    xp, z, m = _check_softmax_forward(z, mask)                          # z + mask; m [..., 1]
     e = xp.exp(z - m)
     e /= xp.sum(e, axis=-1, keepdims=True)
     return e, e
@@ -73,9 +65,7 @@ def softmax_backward(ds, s):
 
     ds [..., K], cache s [..., K]  ->  dz [..., K]  (masked entries get 0 because s is 0 there)
     """
-    checks.upstream_like("ds", ds, s)
-    if kernels.applies(ds, s):
-        return kernels.softmax_backward(ds, s)
+    _check_softmax_backward(ds, s)
     xp = namespace(ds, s)
     return s * (ds - xp.sum(ds * s, axis=-1, keepdims=True))
 
@@ -113,24 +103,11 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     With every label ignored there is nothing to average: the loss is 0 and so is the gradient
     (an empty batch likewise). V must be at least 1; ignore_index is an integer.
     """
-    checks.float_inputs(logits=logits)
-    vocab = checks.width("logits", logits, "V")
-    ignore_index = checks.integer("ignore_index", ignore_index)
-    checks.array("labels", labels)
-    checks.shape("labels", labels, tuple(logits.shape[:-1]))
-    checks.integer_ids("labels", labels, vocab, allowed=ignore_index)
-    xp = checks.same_library(logits=logits, labels=labels)
-    z = _flat_rows(logits, vocab)                                       # [N, V]
-    y = xp.astype(xp.reshape(labels, (-1,)), xp.int64, copy=False)      # [N]; wide enough for ignore_index
-    valid = y != ignore_index                                           # [N]
-    n_valid = int(xp.sum(xp.astype(valid, xp.int64)))
-    safe = xp.where(valid, y, xp.zeros_like(y))                         # an ignored row points at class 0, then is zeroed
-    m = xp.max(z, axis=-1, keepdims=True)                               # [N, 1]
-    _check_rows("logits", z, m)
-    if kernels.applies(z):
-        probs, total = kernels.cross_entropy_forward(z, safe, valid)
-        loss = z.dtype.type(total / max(n_valid, 1))
-        return loss, CrossEntropyCache(probs, safe, valid, n_valid, tuple(logits.shape))
+    xp, z, safe, valid, n_valid, m = _check_cross_entropy_forward(logits, labels, ignore_index)
+    if kernels.applies(z):  # dispatch: moves to ops (models)
+        probs, total = kernels.cross_entropy_forward(z, safe, valid)  # dispatch: moves to ops (models)
+        loss = z.dtype.type(total / max(n_valid, 1))  # dispatch: moves to ops (models)
+        return loss, CrossEntropyCache(probs, safe, valid, n_valid, tuple(logits.shape))  # dispatch: moves to ops (models)
     shifted = z - m                                                     # [N, V]
     probs = xp.exp(shifted)
     sum_exp = xp.sum(probs, axis=-1)                                    # [N]
@@ -149,17 +126,66 @@ def cross_entropy_backward(dloss, cache, overwrite: bool = False):
     [N, V] array fewer at the start of a model's backward); the cache is then spent.
     """
     probs, safe, valid, n_valid, shape = cache
-    dloss = checks.scalar_upstream("dloss", dloss)
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-    if kernels.applies(probs):
-        return kernels.cross_entropy_backward(dloss, cache, out=probs if overwrite else None)
+    dloss = _check_cross_entropy_backward(dloss, overwrite)
+    if kernels.applies(probs):  # dispatch: moves to ops (models)
+        out = probs if overwrite else None  # dispatch: moves to ops (models)
+        return kernels.cross_entropy_backward(dloss, cache, out)  # dispatch: moves to ops (models)
     xp = namespace(probs)
     n_rows, vocab = probs.shape
     weight = xp.astype(valid, probs.dtype) * (dloss / max(n_valid, 1))          # [N]
     dz = probs * weight[:, None]                                                # [N, V]
     flat = backend.scatter_add(xp.reshape(dz, (-1,)), xp.arange(n_rows) * vocab + safe, -weight)
     return xp.reshape(flat, shape)
+
+
+# -- the checks each op makes before its work (tfcore.ops makes them before a kernel's) --------
+
+def _check_softmax_forward(z, mask):
+    """softmax_forward's checks: z [..., K] a float array, K >= 1, the mask additive and
+    broadcastable to z, no row of z + mask all -inf -> (xp, z + mask, its row max [..., 1])."""
+    xp = checks.float_inputs(z=z)
+    checks.width("z", z, "K")
+    if mask is not None:
+        _check_mask(mask, z)
+        z = z + mask
+    m = xp.max(z, axis=-1, keepdims=True)                               # [..., 1]
+    _check_rows("z" if mask is None else "z + mask", z, m)
+    return xp, z, m
+
+
+def _check_softmax_backward(ds, s):
+    """softmax_backward's check: ds like the forward's output s."""
+    checks.upstream_like("ds", ds, s)
+
+
+def _check_cross_entropy_forward(logits, labels, ignore_index):
+    """cross_entropy_forward's checks, and the rows it works on: logits [..., V] float,
+    labels [...] integers in [0, V) or ignore_index, no row of logits all -inf ->
+    (xp, z [N, V], safe [N] int64 (an ignored row pointing at class 0), valid [N] bool,
+    N_valid, the rows' max m [N, 1])."""
+    checks.float_inputs(logits=logits)
+    vocab = checks.width("logits", logits, "V")
+    ignore_index = checks.integer("ignore_index", ignore_index)
+    checks.array("labels", labels)
+    checks.shape("labels", labels, tuple(logits.shape[:-1]))
+    checks.integer_ids("labels", labels, vocab, allowed=ignore_index)
+    xp = checks.same_library(logits=logits, labels=labels)
+    z = _flat_rows(logits, vocab)                                       # [N, V]
+    y = xp.astype(xp.reshape(labels, (-1,)), xp.int64, copy=False)      # [N]; wide enough for ignore_index
+    valid = y != ignore_index                                           # [N]
+    n_valid = int(xp.sum(xp.astype(valid, xp.int64)))
+    safe = xp.where(valid, y, xp.zeros_like(y))                         # an ignored row points at class 0, then is zeroed
+    m = xp.max(z, axis=-1, keepdims=True)                               # [N, 1]
+    _check_rows("logits", z, m)
+    return xp, z, safe, valid, n_valid, m
+
+
+def _check_cross_entropy_backward(dloss, overwrite):
+    """cross_entropy_backward's checks: dloss a real scalar, overwrite a bool -> dloss."""
+    dloss = checks.scalar_upstream("dloss", dloss)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    return dloss
 
 
 def mse_forward(pred, target):

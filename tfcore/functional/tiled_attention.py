@@ -24,7 +24,8 @@ import math
 
 import numpy as np
 
-from .. import backend, checks, kernels
+from .. import backend, checks
+from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import matmul
 from ._caches import TiledAttentionCache
 from .attention import (_check_causal_lengths, _check_every_query_keeps_a_key, _check_settings,
@@ -111,42 +112,21 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     block_size, mask, key_padding, dropout_p, seed; seed None without dropout). Nothing of
     size S_q * S_k is kept. A query whose keys are all masked raises ValueError.
     """
-    xp, causal, dropout_p, training = _check_settings(q, k, v, causal, dropout_p, training)
-    block_size = checks.integer("block_size", block_size, least=1)
-    batch, heads, s_q, d_h = q.shape
-    s_k = k.shape[2]
-    checks.width("q", q, "D_h")
-    d_v = checks.width("v", v, "D_v")
-    scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
+    xp, settings = _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p,
+                                                  rng, training, block_size, scale)
+    causal, seed = settings["causal"], settings["seed"]
+    if _kernel_applies(q, k, v, settings):  # dispatch: moves to ops (models)
+        qkv = kernels.as_rows_apart(q, k, v)  # dispatch: moves to ops (models)
+        out, lse = kernels.tiled_attention_forward(*qkv, causal, settings["scale"])  # dispatch: moves to ops (models)
+        return out, TiledAttentionCache(q, k, v, out, lse, settings)  # dispatch: moves to ops (models)
+    batch, heads, s_q, _ = q.shape
+    s_k, d_v = k.shape[2], v.shape[3]
     dtype = q.dtype
     full = (batch, heads, s_q, s_k)
-    if causal:
-        _check_causal_lengths(s_q, s_k)
-    padding = None
-    if key_padding is not None:
-        padding = _key_padding_table(xp, q, key_padding, batch, s_k)  # [B, 1, 1, S_k]
-    if mask is not None:
-        _check_mask(mask, xp.broadcast_to(xp.zeros((1, 1, 1, 1), dtype=dtype), full))
-        mask = xp.broadcast_to(mask, full)                          # a view, never a copy
-    seed = None
-    if training and dropout_p > 0.0:
-        seed = _draw_seed(rng, q)
-    settings = dict(causal=causal, scale=scale, block_size=block_size, mask=mask,
-                    key_padding=padding, dropout_p=dropout_p if seed is not None else 0.0,
-                    seed=seed)
-    if _kernel_applies(q, k, v, settings):
-        # the fused CPU kernel (tfcore.kernels): the same tiles, blocks of its own size; it
-        # reads the [S, D] matrices of q, k, v with their row strides, as BLAS does, so a
-        # fused qkv's views go as they are (anything else is copied for the call only; the
-        # cache keeps the arrays it was given, as the reference path does)
-        out, lse = kernels.tiled_attention_forward(*kernels.as_rows_apart(q, k, v), causal,
-                                                   scale)
-        return out, TiledAttentionCache(q, k, v, out, lse, settings)
-
     m = xp.full((batch, heads, s_q, 1), -math.inf, dtype=dtype)     # running row max
     l = xp.zeros((batch, heads, s_q, 1), dtype=dtype)               # running sum exp(z - m)
     acc = xp.zeros((batch, heads, s_q, d_v), dtype=dtype)           # running sum exp(z - m) v
-    for i0, i1, j0, j1, diagonal in attention_tiles(s_q, s_k, block_size, causal):
+    for i0, i1, j0, j1, diagonal in attention_tiles(s_q, s_k, settings["block_size"], causal):
         z = _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal)  # [B, H, bq, bk]
         m_old = m[:, :, i0:i1, :]
         m_new = xp.maximum(m_old, xp.max(z, axis=-1, keepdims=True))
@@ -167,10 +147,43 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     return out, TiledAttentionCache(q, k, v, out, lse, settings)
 
 
-def _kernel_applies(q, k, v, settings) -> bool:
+def _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p, rng, training,
+                                   block_size, scale):
+    """tiled_attention_forward's checks, and its settings: q, k, v and the masks as
+    attention_forward takes them, block_size an integer >= 1, scale None or a positive
+    finite number; with dropout, one seed drawn from rng -> (xp, settings): a dict of causal,
+    scale, block_size, mask (broadcast to [B, H, S_q, S_k], a view), key_padding (the
+    additive [B, 1, 1, S_k] table), dropout_p (0 without a seed) and seed (None without
+    dropout)."""
+    xp, causal, dropout_p, training = _check_settings(q, k, v, causal, dropout_p, training)
+    block_size = checks.integer("block_size", block_size, least=1)
+    batch, heads, s_q, d_h = q.shape
+    s_k = k.shape[2]
+    checks.width("q", q, "D_h")
+    checks.width("v", v, "D_v")
+    scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
+    full = (batch, heads, s_q, s_k)
+    if causal:
+        _check_causal_lengths(s_q, s_k)
+    padding = None
+    if key_padding is not None:
+        padding = _key_padding_table(xp, q, key_padding, batch, s_k)  # [B, 1, 1, S_k]
+    if mask is not None:
+        _check_mask(mask, xp.broadcast_to(xp.zeros((1, 1, 1, 1), dtype=q.dtype), full))
+        mask = xp.broadcast_to(mask, full)                          # a view, never a copy
+    seed = None
+    if training and dropout_p > 0.0:
+        seed = _draw_seed(rng, q)
+    settings = dict(causal=causal, scale=scale, block_size=block_size, mask=mask,
+                    key_padding=padding, dropout_p=dropout_p if seed is not None else 0.0,
+                    seed=seed)
+    return xp, settings
+
+
+def _kernel_applies(q, k, v, settings) -> bool:  # dispatch: moves to ops (models)
     """The fused kernel takes NumPy float arrays with no mask but the causal one, no dropout."""
-    return (settings["mask"] is None and settings["key_padding"] is None
-            and settings["seed"] is None and kernels.applies(q, k, v, contiguous=False))
+    return (settings["mask"] is None and settings["key_padding"] is None  # dispatch: moves to ops (models)
+            and settings["seed"] is None and kernels.applies(q, k, v, contiguous=False))  # dispatch: moves to ops (models)
 
 
 def causal_tile(xp, s_q: int, s_k: int, rows: tuple, cols: tuple, dtype):
@@ -215,13 +228,12 @@ def tiled_attention_backward(dout, cache):
 
     dout [B, H, S_q, D_v]  ->  dq [B, H, S_q, D_h], dk [B, H, S_k, D_h], dv [B, H, S_k, D_v]
     """
-    q, k, v, out, lse, settings = cache
-    checks.upstream_like("dout", dout, out)
-    if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):
-        q, k, v, dout, out = kernels.as_rows_apart(q, k, v, dout, out)
-        lse = np.ascontiguousarray(lse)
-        return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],
-                                                settings["scale"])
+    q, k, v, out, lse, settings = _check_tiled_attention_backward(dout, cache)
+    if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):  # dispatch: moves to ops (models)
+        q, k, v, dout, out = kernels.as_rows_apart(q, k, v, dout, out)  # dispatch: moves to ops (models)
+        lse = np.ascontiguousarray(lse)  # dispatch: moves to ops (models)
+        return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],  # dispatch: moves to ops (models)
+                                                settings["scale"])  # dispatch: moves to ops (models)
     xp = backend.namespace(q, k, v, dout)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
@@ -250,3 +262,11 @@ def tiled_attention_backward(dout, cache):
         dq[:, :, i0:i1, :] += matmul(dz, k[:, :, j0:j1, :], TILED)
         dk[:, :, j0:j1, :] += matmul(xp.matrix_transpose(dz), q[:, :, i0:i1, :], TILED)
     return dq, dk, dv
+
+
+def _check_tiled_attention_backward(dout, cache):
+    """tiled_attention_backward's check (tfcore.ops makes it before a kernel's work): dout
+    like the forward's output -> (q, k, v, out, lse, settings)."""
+    q, k, v, out, lse, settings = cache
+    checks.upstream_like("dout", dout, out)
+    return q, k, v, out, lse, settings

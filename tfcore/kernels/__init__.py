@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops as _ops
 from . import _tiled, elementwise, pool  # noqa: F401  (the modules that hold settings)
 from .attention import (  # noqa: F401
     as_rows_apart,
@@ -134,3 +135,167 @@ def warm_up(dtypes=("float32", "float64")) -> float:
             pool._on_threads([(share, (a[:3], b, out[:3])), (share, (a[3:], b, out[3:]))])
     return time.perf_counter() - start
 
+
+
+# -- what the kernels accelerate, registered with tfcore.ops (whose docstring has the table) -----
+# Each predicate takes the op's arguments as tfcore.ops passes them and answers False, never
+# raises, for anything the kernel does not take: ops then runs the reference, which checks.
+# Where it holds, ops makes the reference's checks first (unless a trusted caller vouches for
+# the arrays), so a predicate asks only what the kernel needs beyond valid arguments.
+
+def _fields(cache, n):
+    """The cache when it is a tuple of n fields (a named tuple or a plain one), else None."""
+    return cache if isinstance(cache, tuple) and len(cache) == n else None
+
+
+def _positive(eps) -> bool:
+    return isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < np.inf
+
+
+def _takes_linear_forward(x, W, b):
+    return (applies(x, W, b, contiguous=False) and W.ndim == 2 and x.ndim >= 1
+            and x.shape[-1] == W.shape[0])
+
+
+def _takes_linear_backward(dy, cache, *_):
+    c = _fields(cache, 3)
+    return (c is not None and applies(dy, c[0], c[1], contiguous=False) and c[1].ndim == 2
+            and c[0].ndim >= 1 and dy.shape == c[0].shape[:-1] + (c[1].shape[1],))
+
+
+def _linear_backward_into(dy, x, W, has_bias, overwrite_input, grads):
+    return linear_backward(dy, x, W, has_bias, overwrite_x=overwrite_input, grads=grads)[0]
+
+
+def _takes_gelu_forward(x, approximate):
+    return applies(x) and isinstance(approximate, str) and approximate in ("none", "tanh")
+
+
+def _takes_gelu_backward(dy, cache, out):
+    c = _fields(cache, 2)
+    return (c is not None and applies(dy, c[0], out) and dy.shape == c[0].shape
+            and (out is None or out.shape == dy.shape)
+            and isinstance(c[1], str) and c[1] in ("none", "tanh"))
+
+
+def _takes_softmax_forward(z, mask):
+    if mask is None:
+        return applies(z) and z.ndim >= 1
+    return applies(z, mask, contiguous=False) and z.ndim >= 1    # z + mask: a new array
+
+
+def _takes_softmax_backward(ds, s):
+    return applies(ds, s) and ds.shape == s.shape and s.ndim >= 1
+
+
+def _takes_layernorm_forward(x, gamma, beta, eps):
+    return (applies(x, gamma, beta) and _positive(eps) and x.ndim >= 1 and gamma.ndim == 1
+            and gamma.shape == beta.shape and x.shape[-1] == gamma.shape[0] > 0)
+
+
+def _takes_rmsnorm_forward(x, gain, eps):
+    return (applies(x, gain) and _positive(eps) and x.ndim >= 1 and gain.ndim == 1
+            and x.shape[-1] == gain.shape[0] > 0)
+
+
+def _takes_norm_backward(dy, cache):
+    c = _fields(cache, 3)
+    return c is not None and applies(dy, *c) and dy.shape == c[0].shape
+
+
+def _takes_cross_entropy_forward(logits, labels, ignore_index):
+    return applies(logits) and logits.ndim >= 1
+
+
+def _takes_cross_entropy_backward(dloss, cache, overwrite):
+    c = _fields(cache, 5)
+    return c is not None and applies(c[0]) and c[0].ndim == 2
+
+
+def _takes_embedding_backward(dx, cache):
+    c = _fields(cache, 4)
+    return c is not None and applies(dx) and dx.shape == tuple(c[1])
+
+
+def _takes_attention_forward(q, k, v, mask, key_padding, causal, dropout_p, rng, training):
+    return (mask is None and key_padding is None and applies(q, k, v, contiguous=False)
+            and q.ndim == k.ndim == 4 and q.shape[2] <= k.shape[2])
+
+
+def _takes_attention_backward(dout, cache):
+    c = _fields(cache, 7)
+    return (c is not None and applies(dout, *c[:4], contiguous=False)
+            and c[3].flags.c_contiguous and dout.shape == c[0].shape[:3] + c[2].shape[3:])
+
+
+def _takes_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p, rng,
+                                   training, block_size, scale):
+    no_dropout = training is False or (isinstance(dropout_p, (int, float)) and dropout_p == 0)
+    return (mask is None and key_padding is None and no_dropout
+            and applies(q, k, v, contiguous=False) and q.ndim == k.ndim == v.ndim == 4)
+
+
+def _tiled_forward(q, k, v, causal, scale):
+    """tiled_attention_forward on views of q, k, v whose rows lie apart (a fused qkv's go as
+    they are; anything else is copied for the call only)."""
+    return tiled_attention_forward(*as_rows_apart(q, k, v), causal, scale)
+
+
+def _takes_tiled_attention_backward(dout, cache):
+    c = _fields(cache, 6)
+    if c is None or not isinstance(c[5], dict):
+        return False
+    settings = c[5]
+    return (settings.get("mask") is None and settings.get("key_padding") is None
+            and settings.get("seed") is None and applies(dout, *c[:3], contiguous=False)
+            and dout.shape == getattr(c[3], "shape", None))
+
+
+def _tiled_backward(dout, q, k, v, out, lse, causal, scale):
+    q, k, v, dout, out = as_rows_apart(q, k, v, dout, out)
+    return tiled_attention_backward(dout, q, k, v, out, np.ascontiguousarray(lse), causal,
+                                    scale)
+
+
+def _takes_qkv_merge_grads(dq, dk, dv):
+    return applies(dq, dk, dv, contiguous=False)
+
+
+def _takes_sum(a, b):
+    return applies(a, b) and a.shape == b.shape
+
+
+def _takes_adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, decay_mask):
+    return applies(p, g, m, v, decay_mask)
+
+
+def _register():
+    register = _ops.register
+    register("linear_forward", linear_forward, applies=_takes_linear_forward)
+    register("linear_backward", linear_backward, applies=_takes_linear_backward)
+    register("linear_backward_into", _linear_backward_into, applies=_takes_linear_backward)
+    register("gelu_forward", gelu_forward, applies=_takes_gelu_forward)
+    register("gelu_backward", gelu_backward, applies=_takes_gelu_backward)
+    register("softmax_forward", softmax_forward, applies=_takes_softmax_forward)
+    register("softmax_backward", softmax_backward, applies=_takes_softmax_backward)
+    register("layernorm_forward", layernorm_forward, applies=_takes_layernorm_forward)
+    register("layernorm_backward", layernorm_backward, applies=_takes_norm_backward)
+    register("rmsnorm_forward", rmsnorm_forward, applies=_takes_rmsnorm_forward)
+    register("rmsnorm_backward", rmsnorm_backward, applies=_takes_norm_backward)
+    register("cross_entropy_forward", cross_entropy_forward,
+             applies=_takes_cross_entropy_forward)
+    register("cross_entropy_backward", cross_entropy_backward,
+             applies=_takes_cross_entropy_backward)
+    register("embedding_backward", embedding_backward, applies=_takes_embedding_backward)
+    register("attention_forward", attention_forward, applies=_takes_attention_forward)
+    register("attention_backward", attention_backward, applies=_takes_attention_backward)
+    register("tiled_attention_forward", _tiled_forward, applies=_takes_tiled_attention_forward)
+    register("tiled_attention_backward", _tiled_backward,
+             applies=_takes_tiled_attention_backward)
+    register("qkv_merge_grads", fused_qkv_grads, applies=_takes_qkv_merge_grads)
+    register("residual_forward", add, applies=_takes_sum)
+    register("add", add, applies=_takes_sum)
+    register("adamw_update", adamw_update, applies=_takes_adamw_update)
+
+
+_register()

@@ -1,15 +1,16 @@
-"""Whether a kernel may run: the on/off setting, Numba's presence, the arrays a kernel takes,
-and the compiled loops (tfcore.kernels._numba), loaded on first use."""
+"""Whether a kernel may run: the on/off setting (tfcore.ops holds it: one switch for every
+registered kernel), Numba's presence, the arrays a kernel takes, and the compiled loops
+(tfcore.kernels._numba), loaded on first use."""
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 
 import numpy as np
 
+from .. import ops as _ops
+
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_enabled = os.environ.get("TFCORE_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 _have_numba = importlib.util.find_spec("numba") is not None
 _nb = None  # the compiled module, imported on first use
 
@@ -21,29 +22,26 @@ def available() -> bool:
 
 def enabled() -> bool:
     """Kernels are switched on and can run."""
-    return _enabled and _have_numba
+    return _ops.kernels_enabled() and _have_numba
 
 
 def set_enabled(flag: bool) -> bool:
-    """Switch the kernels on or off for the whole process; returns the previous setting."""
-    global _enabled
-    previous, _enabled = _enabled, bool(flag)
-    return previous
+    """Switch the kernels on or off for the whole process; returns the previous setting
+    (tfcore.ops.set_kernels_enabled)."""
+    return _ops.set_kernels_enabled(flag)
 
 
-@contextlib.contextmanager
 def disabled():
-    """``with kernels.disabled():`` runs the reference path of every op inside the block."""
-    previous = set_enabled(False)
-    try:
-        yield
-    finally:
-        set_enabled(previous)
+    """``with kernels.disabled():`` runs the reference path of every op inside the block
+    (tfcore.ops.reference_only)."""
+    return _ops.reference_only()
 
 
 def applies(*arrays, contiguous: bool = True) -> bool:
-    """True when a kernel may take these arrays (None entries are skipped): see the module doc."""
-    if not (_enabled and _have_numba):
+    """True when a kernel may take these arrays (None entries are skipped): kernels are on,
+    Numba is installed, and every array is a NumPy float32 or float64 array (one dtype),
+    C-contiguous unless contiguous=False."""
+    if not (_ops._kernels_on and _have_numba):
         return False
     dtype = None
     for a in arrays:
