@@ -105,3 +105,26 @@ def test_the_sharded_initialisation_is_the_one_device_one():
         for gathered in SimulatedGroup(2).run(body):
             assert np.array_equal(gathered, full)
         assert dataclasses.asdict(config)                 # the config is a plain value
+
+
+def test_tiled_attention_never_builds_the_scores_under_any_layout(monkeypatch):
+    """attention='tiled' is the tiled op (or the ring, made of it) under every layout: the
+    dense op, the one that builds the [B, H, S, S] scores, is never called."""
+    import tfcore.functional as F
+    from tfcore.functional import attention as dense_module
+    from tfcore.models import blocks
+
+    dense_calls = []
+
+    def dense(q, *args, **kwargs):
+        dense_calls.append(tuple(q.shape))
+        raise AssertionError("the dense attention op ran under attention='tiled'")
+
+    for where in (blocks, dense_module, F):
+        monkeypatch.setattr(where, "attention_forward", dense)
+    config = FEATURES["tiled"]
+    ran = [name for name, layout in LAYOUTS.items() if layout.refusal(config) is None]
+    for name in ran:
+        layout = LAYOUTS[name]
+        SimulatedGroup(layout.world_size).run(train_layout, config, layout, 1, BATCH, SEQ)
+    assert dense_calls == [] and len(ran) == len(LAYOUTS)

@@ -78,7 +78,6 @@ def _forbid_training(monkeypatch):
                                    "(pp=2, zero=2): a stage keeps its parameters and "
                                    "gradients for all its micro-batches; use ZeRO 0 or 1"),
     (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO-2/3 with pipeline parallelism"),
-    (["--pp", "2", "--dropout", "0.1"], "--pp 2 --dropout 0.1: pipeline with dropout"),
     (["--schedule", "gpipe"], "--schedule gpipe: pipeline schedule without pipeline "
                               "parallelism (schedule='gpipe', pp=None): the schedule orders "
                               "a pipeline's micro-batches; give pp with it"),
@@ -128,6 +127,8 @@ def test_unsupported_combinations_are_refused_in_one_line(args, message, capsys,
      "world 4 = dp 2 x cp 2 x tp 1 (ring attention"),
     (["--pp", "2", "--tp", "2", "--sp"], "world 4 = dp 1 x pp 2 x tp 2, 1f1b m=2 v=1"),
     (["--pp", "2", "--cp", "2"], "world 4 = dp 1 x pp 2 x tp 1 x cp 2, 1f1b m=2 v=1"),
+    (["--pp", "2", "--dp", "2", "--dropout", "0.1"],
+     "world 4 = dp 2 x pp 2 x tp 1, 1f1b m=2 v=1, dropout 0.1"),
     (["--tp", "2", "--sp", "--dp", "2", "--zero", "3", "--micro-batches", "2"],
      "world 4 = tp 2 x dp 2, sp=True, zero=3"),
 ])

@@ -112,15 +112,15 @@ def test_a_record_that_waits_for_nothing_that_finishes_is_refused():
                                                 r"\(pp=2, virtual=2, schedule='1f1b'\)"),
     (dict(world=2, pp=2, schedule="zigzag"), "schedule must be one of"),
     (dict(world=2, pp=2, m=0), "n_microbatches must be a positive integer, got 0"),
-    (dict(world=2, pp=2, dropout=0.1), r"pipeline with dropout \(pp=2, dropout=0.1\): the "
-                                       r"stages would draw the dropout masks in another order"),
+    (dict(world=2, pp=2, dropout=0.1, attention="tiled"),
+     r"tiled attention with dropout across ranks \(attention='tiled', dropout=0.1"),
     (dict(world=4, pp=2, tp=2, heads=3), r"n_heads \(3\) must be divisible"),
 ])
 def test_bad_layouts_are_refused_before_any_work(kwargs, match):
     kw = dict(world=2, pp=2, tp=1, dp=None, m=2, v=1, batch=8, schedule="1f1b", dropout=0.0,
-              heads=4)
+              heads=4, attention="dense")
     kw.update(kwargs)
-    changes = dict(dropout=kw["dropout"])
+    changes = dict(dropout=kw["dropout"], attention=kw["attention"])
     if kw["heads"] != 4:
         changes.update(n_heads=kw["heads"], n_kv_heads=kw["heads"], d_model=12, d_ff=24)
     config = _config("tiny", **changes)

@@ -286,11 +286,12 @@ def test_bucket_bytes_must_be_an_integer(config):
 
 
 def test_buckets_refuse_zero_and_sequence_parallelism(config):
-    for kwargs, match in ((dict(zero=True, dp=2), "gradient buckets with ZeRO"),
+    for kwargs, match in ((dict(zero=2, dp=2), "gradient buckets with ZeRO-2/3.*: ZeRO-2/3 "
+                           "reduce-scatter each unit's gradient"),
                           (dict(tp=2, sequence_parallel=True),
-                           "gradient buckets with sequence parallelism")):
-        with pytest.raises(ValueError, match=match + ".*: the buckets all-reduce a replicated "
-                           "gradient as the backward goes"):
+                           "gradient buckets with sequence parallelism.*: the buckets "
+                           "all-reduce a replicated gradient as the backward goes")):
+        with pytest.raises(ValueError, match=match):
             SimulatedGroup(2).run(train_parallel, config, 1, 4, 8, bucket_bytes=1024,
                                   **kwargs)
 
@@ -343,7 +344,7 @@ def test_the_command_line_options(capsys):
     for argv, message in ((["--micro-batches", "3"], "--micro-batches 3 must divide"),
                           (["--clip", "nan"], "--clip must be a positive finite"),
                           (["--bucket-bytes", "0"], "--bucket-bytes must be a positive"),
-                          (["--bucket-bytes", "64", "--zero"],
-                           "--bucket-bytes 64 --zero 1: gradient buckets with ZeRO")):
+                          (["--bucket-bytes", "64", "--zero", "2"],
+                           "--bucket-bytes 64 --zero 2: gradient buckets with ZeRO-2/3")):
         assert main_simulated(["--simulate", "--dp", "2", "--batch", "8", *argv]) == 2
         assert message in capsys.readouterr().err

@@ -412,6 +412,21 @@ class DecoderLM:
     def zero_grad(self) -> None:
         self.params.zero_grad()
 
+    def dropout_draws(self, batch: int, seq: int, layers, embed: bool = True) -> list:
+        """The shapes of the one-device dropout draws (the class docstring's order) of the
+        embedding (when embed) and of the blocks `layers`, for a batch of `batch` rows and
+        sequences of `seq`: a pipeline stage draws them from a copy of the step's generator
+        and discards them, so that its own blocks draw one device's masks."""
+        cfg = self.config
+        if cfg.dropout == 0:
+            return []
+        stream = (batch, seq, cfg.d_model)                              # [B, S, D]
+        probs = (1,) if cfg.attention == "tiled" else (batch, cfg.n_heads, seq, seq)
+        shapes = [stream] if embed else []
+        for _ in layers:
+            shapes += [probs, stream, stream]
+        return shapes
+
     def size_table(self, batch: int, seq: int) -> dict:
         from .sizes import decoder_sizes
 

@@ -98,12 +98,20 @@ class Replicated(_DataParallel):
 
 class ZeRO1(_DataParallel):
     """ZeRO stage 1: the gradient reduce-scattered, this rank's chunk [P_d] updated, the
-    parameters all-gathered."""
+    parameters all-gathered. reduce=False: the caller has summed params.grad over dp
+    already (gradient buckets all-reduced during the backward); the step takes its chunk."""
 
     sharded = True
     same_on_every_rank = False
 
+    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, reduce: bool = True):
+        super().__init__(dp, tp, tp_mask, pp, counted)
+        self.reduce = reduce
+
     def gradient(self, params):
+        if not self.reduce:
+            a, b = self.bounds
+            return params.grad[a:b]                                     # [P_d], summed
         return self.dp.reduce_scatter_flat(params.grad, self._all_bounds(params))   # [P_d]
 
     def parameters(self, params):

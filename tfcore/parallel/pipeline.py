@@ -290,10 +290,20 @@ class PipelineStage(TensorParallelDecoder):
     def is_last(self, chunk: int) -> bool:
         return self.virtual_stage(chunk) == self.n_stages * self.n_virtual - 1
 
-    def chunk_forward(self, chunk: int, inputs, targets=None, seq: int | None = None):
+    def chunk_forward(self, chunk: int, inputs, targets=None, seq: int | None = None,
+                      rng=None, rows=None):
         """seq: the whole sequence's length (inputs of a later stage hold this rank's rows
-        of it); default: inputs' second axis."""
-        ctx = self.context(seq or inputs.shape[1])
+        of it); default: inputs' second axis. rng: a fresh generator of the step's seed
+        (training with dropout), rows = (start, stop, B_global) the micro-batch's rows of
+        the batch: the draws of the units before this chunk are replayed and discarded, so
+        the chunk draws one device's masks."""
+        seq = seq or inputs.shape[1]
+        if rng is not None:
+            start = self.chunk_layers[chunk][0] if len(self.chunk_layers[chunk]) else 0
+            for shape in self.dropout_draws(rows[2], seq, range(start),
+                                            embed=not self.is_first(chunk)):
+                rng.random(shape)
+        ctx = self.context(seq, rng is not None, rng, rows)
         if self.is_first(chunk):
             self._check_ids(inputs)
         out, cache = self.forward_span(inputs, targets, ctx, self.chunk_layers[chunk],
@@ -354,11 +364,14 @@ def _messages_on_links(schedule, n_stages, n_virtual, rank):
     return order
 
 
-def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_total: float):
+def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_total: float,
+                      dropout=None):
     """Run this rank's operations of `schedule` for one step; gradients add into
     stage.params.grad. ids, targets [m, B_m, S] (host): the micro-batches (only the first and
     last virtual stages read them). count_total: T_c, the counted targets of the whole
-    global batch. -> dict(loss (the step's loss on the last stage, else None), record
+    global batch. dropout: (new_generator, rows) for training with dropout: new_generator()
+    a fresh generator of the step's seed for each chunk's forward, rows[i] = (start, stop,
+    B_global) micro-batch i's rows of the batch. -> dict(loss (the step's loss on the last stage, else None), record
     [(op, micro-batch, chunk, key of the message waited for or None)], peak_live,
     peak_bytes, chunk_bytes {chunk: bytes of one micro-batch's cache})."""
     p, v = stage.n_stages, stage.n_virtual
@@ -405,8 +418,10 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
             else:
                 waited = ("F", i, s - 1)
                 inputs = receive(("F", i, s), (s - 1) % p)
+            rng, rows = (None, None) if dropout is None else (dropout[0](), dropout[1][i])
             out, cache = stage.chunk_forward(c, inputs, backend.asarray(targets[i])
-                                             if s == last else None, seq=seq)
+                                             if s == last else None, seq=seq, rng=rng,
+                                             rows=rows)
             caches[(i, c)] = cache
             live += 1
             chunk_bytes[c] = cache_bytes(cache)        # the same for every micro-batch
@@ -550,7 +565,12 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
             total = mesh.dp.all_reduce(backend.asarray(local)) if mesh.dp_size > 1 else local
             count = max(float(backend.to_numpy(total)[0]), 1.0)
         before = world.traffic.sent
-        out = run_pipeline_step(stage, mesh.pp, plan, mb_ids, mb_targets, count)
+        dropout = None
+        if config.dropout > 0:          # each chunk draws from the step's seed afresh
+            dropout = (lambda t=t: backend.default_rng(10_000 * seed + t),
+                       [(b0 + i * micro, b0 + (i + 1) * micro, batch)
+                        for i in range(n_microbatches)])
+        out = run_pipeline_step(stage, mesh.pp, plan, mb_ids, mb_targets, count, dropout)
         sent.append(world.traffic.sent - before)
         if tied is not None:
             g = stage.params.grad_of("wte")

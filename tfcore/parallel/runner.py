@@ -183,7 +183,7 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     else:
         tp_mask = None if max_norm is None else tensor_parallel_mask(model)  # bool [P_local]
         # replicated: the gradient is summed below (buckets, or reduce_gradients timed alone)
-        shard = (ZeRO1(data, mesh.tp, tp_mask) if stage == 1
+        shard = (ZeRO1(data, mesh.tp, tp_mask, reduce=bucket_bytes is None) if stage == 1
                  else Replicated(data, mesh.tp, tp_mask, reduce=False))
         opt = adamw(model.params, shard, hyper, clip=max_norm)
     rows = batch // mesh.dp_size
