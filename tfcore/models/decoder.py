@@ -36,7 +36,7 @@ from ..backend import FLOAT_DTYPES
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
 from .blocks import replayable
-from .parts import ONE_DEVICE, Resident
+from .parts import ONE_DEVICE, Resident, add_rows_at, rows_at
 from .moe import BALANCES, MoESpec
 from .common import check_float_settings
 
@@ -455,7 +455,7 @@ class DecoderLM:
         rope = None
         if self._rope is not None:
             at = parts.attention_index(seq)
-            rope = (self._rope[0][at, :], self._rope[1][at, :])             # [S_a, D_h/2]
+            rope = (rows_at(self._rope[0], at), rows_at(self._rope[1], at))  # [S_a, D_h/2]
         return dict(training=training, rng=parts.draws(rng, batch_rows, seq), seq=seq,
                     stream=parts.stream_index(seq), rope=rope)
 
@@ -467,9 +467,9 @@ class DecoderLM:
         at = ctx["stream"]
         c_pos = None
         if self.config.position == "learned":
-            x, c_pos = F.positional_forward(x, params["wpe"][at, :])         # [B, S_loc, D]
+            x, c_pos = F.positional_forward(x, rows_at(params["wpe"], at))   # [B, S_loc, D]
         elif self.config.position == "sinusoidal":
-            x, _ = F.positional_forward(x, self._sinusoidal[at, :])
+            x, _ = F.positional_forward(x, rows_at(self._sinusoidal, at))
         x, c_drop = F.dropout_forward(x, self.config.dropout, ctx["rng"], ctx["training"])
         return x, (c_emb, c_pos, at, c_drop)
 
@@ -478,7 +478,7 @@ class DecoderLM:
         dx = F.dropout_backward(dx, c_drop)
         if c_pos is not None:
             dx, dP = F.positional_backward(dx, c_pos)                      # dP [S_loc, D]
-            params.grad_of("wpe")[at, :] += dP
+            add_rows_at(params.grad_of("wpe"), at, dP)
         self.parts.embed_backward(params, dx, c_emb)                       # the lookup's share
 
     def head_forward(self, params, x):

@@ -30,8 +30,54 @@ from __future__ import annotations
 
 from .. import functional as F
 from .. import nn
+from ..backend import namespace
 
 IGNORE_INDEX = -100
+
+
+# Positions a rank holds: a slice of the sequence, or a tuple of slices (the ring's chunks,
+# concatenated in increasing order). Slices, not index arrays: every array library (the
+# array API standard included) takes them, and one slice is a view.
+
+
+def rows_at(x, at, axis: int = 0):
+    """x's entries at the positions `at` along `axis` (a view for one slice)."""
+    if isinstance(at, slice):
+        index = [slice(None)] * x.ndim
+        index[axis] = at
+        return x[tuple(index)]
+    pieces = [rows_at(x, s, axis) for s in at]
+    return namespace(x).concat(pieces, axis=axis) if len(pieces) > 1 else pieces[0]
+
+
+def add_rows_at(target, at, values) -> None:
+    """target[at] += values along axis 0 (values: the rows of `at`, concatenated)."""
+    if isinstance(at, slice):
+        target[at, ...] += values
+        return
+    offset = 0
+    for s in at:
+        n = s.stop - s.start
+        target[s, ...] += values[offset:offset + n, ...]
+        offset += n
+
+
+def count_rows(at) -> int:
+    return at.stop - at.start if isinstance(at, slice) else sum(s.stop - s.start for s in at)
+
+
+def sub_rows(at, start: int, stop: int):
+    """The positions of rows start..stop-1 of the concatenation `at` (a slice or a tuple)."""
+    if isinstance(at, slice):
+        return slice(at.start + start, at.start + stop)
+    out, offset = [], 0
+    for s in at:
+        n = s.stop - s.start
+        a, b = max(start - offset, 0), min(stop - offset, n)
+        if a < b:
+            out.append(slice(s.start + a, s.start + b))
+        offset += n
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 class OneDevice:

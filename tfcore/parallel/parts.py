@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import backend, checks, nn
 from ..models.decoder import DecoderConfig
-from ..models.parts import IGNORE_INDEX, OneDevice
+from ..models.parts import IGNORE_INDEX, OneDevice, count_rows, rows_at, sub_rows
 from . import layers as L
 from .context import ContextLayout, ring_attention_backward, ring_attention_forward
 
@@ -190,7 +190,8 @@ class LayoutDraws:
     def random(self, shape):
         b0, b1, batch = self.rows
         if len(shape) == 3:
-            block = self.rng.random((batch, self.seq, self.d_model))[b0:b1][:, self.stream]
+            block = rows_at(self.rng.random((batch, self.seq, self.d_model))[b0:b1],
+                            self.stream, axis=1)
         elif len(shape) == 4:
             h0, h1 = self.heads
             block = self.rng.random((batch, self.n_heads, self.seq, self.seq))[b0:b1, h0:h1]
@@ -256,13 +257,14 @@ class ParallelParts(OneDevice):
         if not self.ring:
             return slice(0, seq)
         self.layout = self.ring_layout(seq)            # the ring of this forward's sequences
-        return self.layout.positions(self.cp.rank)                    # int64 [S_r]
+        return tuple(slice(*self.layout.bounds[c])
+                     for c in self.layout.chunks_of(self.cp.rank))   # S_r positions
 
     def stream_index(self, seq: int):
         at = self.attention_index(seq)
         if not self.summed:
             return at
-        n = (seq if isinstance(at, slice) else len(at))
+        n = count_rows(at)
         if n % self.tp.size:
             what = ("sequence length" if isinstance(at, slice)
                     else "number of positions each ring rank holds")
@@ -270,9 +272,7 @@ class ParallelParts(OneDevice):
                              f"by the tensor-parallel degree ({self.tp.size})")
         m = n // self.tp.size
         t = self.tp.rank
-        if isinstance(at, slice):
-            return slice(t * m, (t + 1) * m)
-        return at[t * m:(t + 1) * m]
+        return sub_rows(at, t * m, (t + 1) * m)
 
     def draws(self, rng, rows, seq: int):
         if rng is None or self.config.dropout == 0:
@@ -284,7 +284,7 @@ class ParallelParts(OneDevice):
         """x [B, S, ...] -> the ring's positions of it (the whole of it without a ring)."""
         if not self.ring:
             return x
-        return x[:, backend.namespace(x).asarray(self.attention_index(x.shape[1]))]
+        return rows_at(x, self.attention_index(x.shape[1]), axis=1)
 
     # -- embedding -----------------------------------------------------------------------
     def embed_forward(self, params, ids):

@@ -44,6 +44,7 @@ import numpy as np
 
 from .. import backend, checks
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
+from ..models.parts import count_rows
 from .mesh import Mesh
 from .layout import SCHEDULES, Layout
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
@@ -380,8 +381,7 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
     D, dtype = stage.config.d_model, stage.params.data.dtype
     like = xp.zeros((1,), dtype=dtype)
     seq = ids.shape[2]
-    at = stage.parts.stream_index(seq)           # the residual stream's rows of this rank
-    rows = at.stop - at.start if isinstance(at, slice) else len(at)
+    rows = count_rows(stage.parts.stream_index(seq))   # the residual stream's rows here
     shape = (ids.shape[1], rows, D)                                    # [B_m, S_loc, D]
     expected = _messages_on_links(schedule, p, v, r)
     position = {src: 0 for src in expected}
