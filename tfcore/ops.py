@@ -125,8 +125,8 @@ _KERNELS: dict[str, tuple[Kernel, ...]] = {}     # op -> its kernels, the first 
 
 def register(op: str, kernel: Callable, *, applies: Callable) -> None:
     """Register `kernel` for `op` (one of OPS), to run where applies(op's arguments) holds.
-    Registering the same kernel again replaces its predicate; another kernel for the same op
-    is asked after those registered before it."""
+    The kernels of one op are asked in the order they were registered; registering a kernel
+    again replaces its entry, which is then asked last."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     for name, fn in (("kernel", kernel), ("applies", applies)):
