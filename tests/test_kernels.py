@@ -744,9 +744,7 @@ def test_the_backward_frees_the_mlp_cache_before_the_attention_runs(monkeypatch,
     model = DecoderLM(cfg).init(seed=0)
     ids = np.arange(32).reshape(2, 16) % 29
     model.forward(asarray(ids), asarray(ids))
-    # the mlp's cache (c_in, c_fc, c_gate, c_act, c_proj, c_drop); c_proj[0]: mlp.proj's
-    # input [B, S, F]
-    hidden = [weakref.ref(c[3][4][0]) for _, c in model._cache[1]]
+    hidden = [weakref.ref(c.block.ffn.proj.x) for c in model._cache.blocks]
     seen = []
     attention_backward = blocks.attention_sublayer_backward
 

@@ -120,10 +120,10 @@ def test_mpi_reports_a_wrong_layout():
     (["--batch", "0"], "--batch must be a positive integer"),
     (["--batch", "3"], "--batch 3 must be divisible by the data-parallel degree dp=2"),
     (["--tp", "two"], "argument --tp: invalid int value"),
-    (["--cp", "2", "--tp", "2"], "--cp 2 --tp 2: context parallelism with tensor "
-                                 "parallelism (cp=2, tp=2): the ring splits the sequence"),
-    (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO with pipeline parallelism (pp=2, "
-                                   "zero=3)"),
+    (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1: context parallelism with "
+                                        "dropout (cp=2, dropout=0.1): ring attention"),
+    (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO-2/3 with pipeline parallelism "
+                                   "(pp=2, zero=3)"),
     (["--cp", "4"], "--cp 4 needs 4 ranks, but the world has 2"),
     (["--pp", "2", "--dp", "2"], "--pp 2 --tp 1 --micro-batches 2: the mesh dp=2 x pp=2 x "
                                  "tp=1 needs 4 ranks, but the world has 2"),
@@ -144,12 +144,13 @@ def test_a_bad_argument_on_one_rank_stops_every_rank():
 
 
 def test_an_unsupported_combination_on_one_rank_stops_every_rank():
-    """Rank 1 alone asks for --sp with ZeRO-3: refused before rank 0 starts training."""
+    """Rank 1 alone asks for --sp with buckets: refused before rank 0 starts training."""
     done = _mpiexec("-n", "1", *CLI, "--tp", "2", ":", "-n", "1", *CLI, "--tp", "2",
-                    "--sp", "--zero", "3")
+                    "--sp", "--bucket-bytes", "1024")
     assert done.returncode == 2
-    assert done.stderr.startswith("error: rank 1: --zero 3 --sp: ZeRO-2/3 with sequence "
-                                  "parallelism (zero=3, sp=True)")
+    assert done.stderr.startswith("error: rank 1: --bucket-bytes 1024 --sp: gradient "
+                                  "buckets with sequence parallelism (bucket_bytes=1024, "
+                                  "sp=True)")
     assert done.stderr.count("\n") == 1 and done.stdout == ""
 
 

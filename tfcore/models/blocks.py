@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,11 +50,46 @@ from ..functional.attention import (
     split_heads,
 )
 from ..functional.rope import rope_backward, rope_forward
+from ..functional._caches import TiledAttentionCache
 from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 from .moe import MoESpec, moe_param_shapes, moe_sublayer_backward, moe_sublayer_forward
 from .parts import ONE_DEVICE
 
 MLPS = ("gelu", "relu", "swiglu")
+
+
+class AttentionSublayerCache(NamedTuple):
+    """What the attention sublayer keeps: the parts' enter (f, or the sequence gather), the
+    qkv projection's, the two rotations' (or None), the attention op's (A, or the tiled
+    op's out and lse, or the ring's), the output projection's and dropout's caches."""
+
+    enter: Any
+    qkv: Any
+    rope_q: Any
+    rope_k: Any
+    att: Any
+    proj: Any
+    drop: Any
+
+
+class MLPCache(NamedTuple):
+    """The MLP sublayer's: enter, fc, gate (SwiGLU, else None), the activation's, proj, drop."""
+
+    enter: Any
+    fc: Any
+    gate: Any
+    act: Any
+    proj: Any
+    drop: Any
+
+
+class BlockCache(NamedTuple):
+    """A block's: the two norms' and the two sublayers' caches (ffn: the MLP's or the MoE's)."""
+
+    ln1: Any
+    attn: Any
+    ln2: Any
+    ffn: Any
 PLACEMENTS = ("pre", "post")
 ATTENTIONS = ("dense", "tiled")
 
@@ -232,15 +268,15 @@ def _tiled_kernel_forward(qkv, spec):
     out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
     settings = dict(causal=causal, scale=scale, block_size=spec.attention_block_size,
                     mask=None, key_padding=None, dropout_p=0.0, seed=None)
-    return out, (q, k, v, out, lse, settings)
+    return out, TiledAttentionCache(q, k, v, out, lse, settings)
 
 
 def _tiled_kernel_takes(da, c_att) -> bool:
     """tiled_attention_backward would hand (da, c_att) to its kernel: no mask, no dropout."""
-    settings = c_att[5]
+    settings = c_att.settings
     return (settings["mask"] is None and settings["key_padding"] is None
             and settings["seed"] is None and kernels.applies(da, *c_att[:5], contiguous=False)
-            and da.shape == c_att[3].shape)
+            and da.shape == c_att.out.shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -272,7 +308,7 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         merged = a.transpose(0, 2, 1, 3).reshape(batch, seq, heads * d_h)  # [B, S, D]
         out, c_proj = parts.row_linear_forward(params, prefix + ".proj", merged)
         out, c_drop = _dropout_forward(out, spec.dropout, rng, training)  # [B, S, D]
-        return out, (c_in, c_qkv, None, None, c_att, c_proj, c_drop)
+        return out, AttentionSublayerCache(c_in, c_qkv, None, None, c_att, c_proj, c_drop)
     if groups == 1:
         q, k, v = qkv_split(qkv, spec.n_heads)                          # [B, H, S, D_h] each
     else:
@@ -301,10 +337,10 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         # the tiled backward reads the output only through rowsum(dout * out): keep it as
         # the [B, H, S, D_h] view of the merged heads that the projection keeps anyway (the
         # fused kernel's output already is one), so that one [B, S, D] array is kept, not two
-        c_att = c_att[:3] + (split_heads(merged, spec.n_heads),) + c_att[4:]
+        c_att = c_att._replace(out=split_heads(merged, spec.n_heads))
     out, c_proj = parts.row_linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = _dropout_forward(out, spec.dropout, rng, training)    # [B, S, D]
-    return out, (c_in, c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
+    return out, AttentionSublayerCache(c_in, c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)
 
 
 def attention_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEVICE):
@@ -323,7 +359,7 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEV
         dq, dk, dv = parts.attention_backward(da, c_att, spec)  # dk, dv [B, H_kv, S, D_h]
     elif spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
         q, k, v, out, lse = c_att[:5]       # q, k, v: views of qkv (_tiled_kernel_forward);
-        settings = c_att[5]                 # out and da are [B, H, S, D_h] views of [B, S, D]
+        settings = c_att.settings           # out and da are [B, H, S, D_h] views of [B, S, D]
         dq, dk, dv = kernels.tiled_attention_backward(da, *kernels.as_rows_apart(q, k, v), out,
                                                       lse, settings["causal"],
                                                       settings["scale"])
@@ -378,7 +414,7 @@ def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False,
     del x
     out, c_proj = parts.row_linear_forward(params, prefix + ".proj", hidden)   # [B, S, D]
     out, c_drop = _dropout_forward(out, spec.dropout, rng, training)
-    return out, (c_in, c_fc, c_gate, c_act, c_proj, c_drop)
+    return out, MLPCache(c_in, c_fc, c_gate, c_act, c_proj, c_drop)
 
 
 def mlp_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEVICE):
@@ -450,7 +486,7 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
                                 parts=parts)
         s2 = _add(x1, m) if spec.residual else m                # x1 + mlp(x1)
         y, c_ln2 = nn.norm_forward(params, prefix + ".ln2", s2, spec.norm, spec.eps)
-    return y, (c_ln1, c_attn, c_ln2, c_mlp)
+    return y, BlockCache(c_ln1, c_attn, c_ln2, c_mlp)
 
 
 def take(caches: list, index: int):

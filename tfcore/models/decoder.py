@@ -26,6 +26,7 @@ differentiates that sum.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -300,6 +301,27 @@ def position_tables(config: DecoderConfig):
     return sinusoidal, rope
 
 
+class LayerCache(NamedTuple):
+    """One block's caches in a span's: its index and what block_forward kept (a
+    BlockCache), or ("recompute", x_in, replay, ctx) with recompute='full'."""
+
+    layer: int
+    block: Any
+
+
+class SpanCache(NamedTuple):
+    """What forward_span keeps for backward_span: the embedding's caches (None when the span
+    does not start there), [LayerCache] of its blocks, the head's and the loss's (None when
+    it does not end there), and the output's shape (with its dtype and library when the
+    span ends in the residual stream)."""
+
+    embed: Any
+    blocks: list
+    head: Any
+    loss: Any
+    out: Any
+
+
 class KVCache:
     """Keys and values of every layer for positions 0..length-1, for generation.
 
@@ -534,23 +556,23 @@ class DecoderLM:
                 p, f"h{i}", x_in, spec, rope=ctx["rope"], rng=ctx["rng"],
                 training=ctx["training"], parts=self.parts))               # [B, S_loc, D]
             if spec.moe is not None:
-                m = c[3]                                                  # the MoECache
+                m = c.ffn                                                 # the MoECache
                 aux = m.aux_loss if aux is None else aux + m.aux_loss
                 self.moe_stats[i] = dict(load=m.plan.load, kept_load=m.plan.kept_load,
                                          capacity=m.plan.capacity, aux_loss=m.aux_loss)
             if full:                         # the backward runs the block again from x_in
                 c = ("recompute", x_in, replay, ctx)
-            c_blocks.append((i, c))
+            c_blocks.append(LayerCache(i, c))
         if not last:
-            return x, (c_embed, c_blocks, None, None, (tuple(x.shape), x.dtype,
-                                                       backend.namespace(x)))
+            return x, SpanCache(c_embed, c_blocks, None, None,
+                                (tuple(x.shape), x.dtype, backend.namespace(x)))
         logits, c_head = run(self.head_units(), lambda p: self.head_forward(p, x))
         loss, c_loss = None, None
         if targets is not None:
             loss, c_loss = self.parts.loss_forward(logits, targets)
             if aux is not None:
                 loss = loss + aux           # the balancing and z-losses of the MoE blocks
-        return (logits, loss), (c_embed, c_blocks, c_head, c_loss, tuple(logits.shape))
+        return (logits, loss), SpanCache(c_embed, c_blocks, c_head, c_loss, tuple(logits.shape))
 
     def backward_span(self, cache, G=None, dloss=1.0, dlogits=None, after_unit=None):
         """The skeleton's backward: the loss (dloss, or dlogits given), head, blocks and

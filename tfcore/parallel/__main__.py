@@ -279,18 +279,35 @@ def check_layout(args, world_size: int) -> int:
     arguments when the sizes do not fit."""
     config = config_of(args)
     inner = args.tp * (args.pp or 1) * (args.cp or 1)
-    degrees = " x ".join(f"--{n} {getattr(args, n)}" for n in ("tp", "pp", "cp")
-                         if getattr(args, n) not in (None, 1) or n == "tp")
-    if args.dp is None:
-        if world_size % inner:
-            raise UsageError(f"{degrees}: the world size {world_size} is not a multiple of "
-                             f"{inner}")
-        dp = world_size // inner
+    if args.pp is not None:              # the pipeline's check names its sizes
+        try:
+            dp = pipeline.check_pipeline_layout(
+                config, world_size, args.pp, args.tp, args.dp, microbatches(args),
+                args.virtual or 1, args.batch, schedule(args), args.cp, args.sp, args.zero)
+        except LayoutError:
+            validate_layout(args, args.dp)           # the refusal, named by its options
+            raise
+        except ValueError as err:
+            flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
+            raise UsageError(f"{flags}: {err}") from None
     else:
-        dp = args.dp
-        if inner * dp != world_size:
-            raise UsageError(f"{degrees} x --dp {dp} needs {inner * dp} ranks, but the world "
-                             f"has {world_size}")
+        given = [f"--tp {args.tp}"] if args.tp != 1 or args.cp is None else []
+        given += [f"--cp {args.cp}"] if args.cp is not None else []
+        given += [f"--dp {args.dp}"] if args.dp is not None else []
+        what = f"tp={args.tp}" + (f" x cp={args.cp}" if args.cp is not None else "")
+        if args.dp is None:
+            if world_size % inner and args.cp is not None and world_size < inner:
+                raise UsageError(f"{' '.join(given)} needs {inner} ranks, but the world has "
+                                 f"{world_size}")
+            if world_size % inner:
+                raise UsageError(f"{' '.join(given)}: the world size {world_size} is not a "
+                                 f"multiple of {what}")
+            dp = world_size // inner
+        else:
+            dp = args.dp
+            if inner * dp != world_size:
+                raise UsageError(f"{' '.join(given)} needs {inner * dp} ranks, but the "
+                                 f"world has {world_size}")
     if args.pp is None:                  # (the pipeline's check names its micro-batches)
         if args.batch % dp:
             raise UsageError(f"--batch {args.batch} must be divisible by the data-parallel "
@@ -313,14 +330,6 @@ def check_layout(args, world_size: int) -> int:
                                  f"tensor-parallel degree ({args.tp})")
         except ValueError as err:
             raise UsageError(f"--cp {args.cp} --seq {args.seq}: {err}") from None
-    if args.pp is not None:
-        try:
-            pipeline.check_pipeline_layout(config, world_size, args.pp, args.tp, dp,
-                                           microbatches(args), args.virtual or 1, args.batch,
-                                           schedule(args), args.cp, args.sp, args.zero)
-        except ValueError as err:
-            flags = f"--pp {args.pp} --tp {args.tp} --micro-batches {microbatches(args)}"
-            raise UsageError(f"{flags}: {err}") from None
     return dp
 
 

@@ -181,11 +181,16 @@ def _root(a):
     return a
 
 
+def _rebuilt(like: tuple, items: list) -> tuple:
+    """A tuple of `like`'s type (a cache's NamedTuple stays one) holding `items`."""
+    return type(like)(*items) if hasattr(like, "_fields") else tuple(items)
+
+
 def _strip(obj, buffers):
     """obj with every array viewing one of `buffers` ({id(buffer): (unit, buffer)})
     replaced by a _WeightRef (nested tuples, lists and dicts are rebuilt)."""
     if isinstance(obj, tuple):
-        return tuple(_strip(o, buffers) for o in obj)
+        return _rebuilt(obj, [_strip(o, buffers) for o in obj])
     if isinstance(obj, list):
         return [_strip(o, buffers) for o in obj]
     if isinstance(obj, dict):
@@ -200,7 +205,7 @@ def _strip(obj, buffers):
 def _restore(obj, buffers):
     """The inverse of _strip with the newly gathered buffers ({unit: buffer})."""
     if isinstance(obj, tuple):
-        return tuple(_restore(o, buffers) for o in obj)
+        return _rebuilt(obj, [_restore(o, buffers) for o in obj])
     if isinstance(obj, list):
         return [_restore(o, buffers) for o in obj]
     if isinstance(obj, dict):

@@ -315,7 +315,7 @@ class PipelineStage(TensorParallelDecoder):
 
     def loss_count(self, cache) -> float:
         """The targets a last-stage chunk's loss counted."""
-        return self.parts.loss_count(cache[3])
+        return self.parts.loss_count(cache.loss)
 
     def chunk_backward(self, chunk: int, G, cache, scale: float = 1.0):
         """scale (last stage): d(step loss)/d(this micro-batch's mean loss) = T_c,mb / T_c."""
