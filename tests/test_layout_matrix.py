@@ -128,3 +128,22 @@ def test_tiled_attention_never_builds_the_scores_under_any_layout(monkeypatch):
         layout = LAYOUTS[name]
         SimulatedGroup(layout.world_size).run(train_layout, config, layout, 1, BATCH, SEQ)
     assert dense_calls == [] and len(ran) == len(LAYOUTS)
+
+
+BYTES_CASES = [(l, f) for l, f in CASES if LAYOUTS[l].pp is None
+               and LAYOUTS[l].micro_batches == 1 and LAYOUTS[l].bucket_bytes is None]
+
+
+@pytest.mark.parametrize("lname,fname", BYTES_CASES, ids=[f"{l} | {f}" for l, f in BYTES_CASES])
+def test_the_bytes_of_a_composed_layout_are_its_formula(lname, fname):
+    """What each rank sent in its steps, counted as it moved (collectives and the ring's
+    point-to-point messages alike), equals plan()'s bytes per step (volume.step_traffic)
+    times the steps, rank by rank."""
+    from tfcore.parallel import plan
+
+    layout, config = LAYOUTS[lname], FEATURES[fname]
+    group = SimulatedGroup(layout.world_size)
+    group.run(train_layout, config, layout, STEPS, BATCH, SEQ, gather=False)
+    priced = plan(config, layout, batch=BATCH, seq=SEQ)
+    assert priced.sent is not None, lname
+    assert [t.sent for t in group.traffic] == [STEPS * s for s in priced.sent]

@@ -120,9 +120,11 @@ def test_context_parallel_refuses_and_declines():
         plan(config, cp=8, batch=2, seq=SEQ)
     with pytest.raises(ValueError, match="balanced must be True or False"):
         plan(config, cp=2, balanced="yes", batch=2, seq=SEQ)
-    for kwargs in (dict(dp=2), dict(tp=2), dict(zero=1), dict(microbatches=2)):
-        p = plan(config, cp=2, batch=4, seq=SEQ, **kwargs)    # trains; not priced yet
-        assert p.memory is None and p.sent is None and p.traffic is None
+    p = plan(config, cp=2, microbatches=2, batch=4, seq=SEQ)   # trains; not priced yet
+    assert p.memory is None and p.sent is None and p.traffic is None
+    for kwargs in (dict(dp=2), dict(tp=2), dict(zero=1)):     # priced (the layout matrix
+        p = plan(config, cp=2, batch=4, seq=SEQ, **kwargs)     # checks them against runs)
+        assert p.sent is not None and p.memory["activations"] is None
 
 
 # -- every field of the plan, for several layouts, against what the runs hold and send ------------

@@ -593,7 +593,7 @@ class DecoderLM:
                 checks.shape("dlogits", dlogits, like)
             c_loss = None
             dx = run(self.head_units(), lambda p, box: self.head_backward(p, dlogits, box.pop()),
-                     [c_head])
+                     [c_head], head=True)
             dlogits = c_head = None
             done("head")
         else:

@@ -162,8 +162,10 @@ class Resident:
     sequence, pipeline and context parallelism, ZeRO-1): every unit runs on model.params.
 
         forward(names, fn)        fn(params) -> (out, cache), for the units `names`
-        backward(names, fn, box)  fn(params, box): box = [cache], which fn pops, so the
-                                  unit's backward holds its caches alone
+        backward(names, fn, box, head=False)  fn(params, box): box = [cache], which fn
+                                  pops, so the unit's backward holds its caches alone;
+                                  head=True for the head's (which reads a tied wte of the
+                                  embedding's unit, and writes no other of its tensors)
         begin_backward() / end_backward()   around one whole backward: the parts' sums over
                                   the tensor-parallel group of what each rank computed from
                                   its share (sequence parallelism, shared key/value heads)
@@ -178,7 +180,7 @@ class Resident:
     def forward(self, names, fn):
         return fn(self.model.params)
 
-    def backward(self, names, fn, box):
+    def backward(self, names, fn, box, head=False):
         return fn(self.model.params, box)
 
     def begin_backward(self):

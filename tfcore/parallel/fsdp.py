@@ -232,8 +232,8 @@ class GatherOnUse:
     def forward(self, names, fn):
         return self.model._run_forward(names, fn)
 
-    def backward(self, names, fn, box):
-        return self.model._run_backward(names, fn, box)
+    def backward(self, names, fn, box, head=False):
+        return self.model._run_backward(names, fn, box, head)
 
     def begin_backward(self):
         self.model.ledger.mark("backward")
@@ -377,7 +377,7 @@ class ShardedDecoder(TensorParallelDecoder):
         self._free(names)
         return out, cache
 
-    def _run_backward(self, names, fn, box):
+    def _run_backward(self, names, fn, box, head=False):
         """Gather the units again, fn(params, box) with fresh gradient buffers [M_u], free
         the parameters; sum over tp what the parts sum (sequence parallelism, shared
         key/value heads), reduce-scatter each gradient into shard_grad, free it."""
@@ -389,7 +389,9 @@ class ShardedDecoder(TensorParallelDecoder):
             box[0] = _restore(box[0], {u.name: d for u, d in zip(units, datas)})
         params = UnitParams(units, datas, grads)
         out = fn(params, box)
-        self.parts.reduce_grads(params, None, [n for u in units for n in u.shapes])
+        # the tensors this backward wrote: the head's reads only wte of the embed unit
+        written = [n for u in units if not (head and u.name == "embed") for n in u.shapes]
+        self.parts.reduce_grads(params, None, written)
         del params, datas
         self._free(names)
         for unit, key in zip(units, keys):

@@ -45,8 +45,13 @@ Layouts that train but that it cannot price give None rather than a guess, and w
                                         forms price one pass of the batch per step: the
                                         collectives of each micro-batch are not priced yet
   activations with cp > 1               the ring's caches have no closed form here yet
-  a ring with dp, tp, pp, ZeRO or accumulation, ZeRO-1 under a pipeline, and key/value
-  heads shared across tensor-parallel ranks (n_kv_heads < tp): memory and bytes
+  a ring with pp or accumulation, and     they run (train_layout), but their closed forms
+  pp with ZeRO-1, sp or shared key/value  are not written here yet: memory and bytes None
+  heads (n_kv_heads < tp), and gradient
+  buckets (their chunks)
+A ring composed with dp, tp, sp or ZeRO, recomputation and key/value heads shared across
+tensor-parallel ranks are priced: volume.step_traffic adds the ring's bytes per layer, the
+recomputed forward's collectives and the shared heads' gradient sums.
 """
 from __future__ import annotations
 
@@ -105,29 +110,32 @@ def _positive_int(name, value):
 def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: int = 1,
          cp: int = 1, zero: int = 0, batch: int, seq: int, microbatches: int = 1,
          virtual: int = 1, dtype: str = "float64", algorithm: str = "ring",
-         schedule: str | None = None, balanced: bool = True) -> Plan:
+         schedule: str | None = None, balanced: bool = True, sp: bool = False) -> Plan:
     """Memory per rank, bytes per rank per step and the bubble of training `config` on a
     dp x tp (x pp) mesh with ZeRO stage `zero`, global batch [batch, seq]; with pp > 1 the
     pipeline runs `schedule` ('gpipe', '1f1b', 'interleaved'; default 1f1b, interleaved when
     virtual > 1) over m = microbatches micro-batches of batch / (dp m) rows; with cp > 1 the
-    sequence is split over cp ranks (balanced: two mirrored chunks each). `layout`: a
+    sequence is split over cp ranks (balanced: two mirrored chunks each); sp: sequence
+    parallelism inside tensor parallelism. `layout`: a
     Layout in place of those keywords (pp and cp None are 1). Raises ValueError for a
     layout that cannot run (Layout.validate's refusals first), before any work."""
+    layout_buckets = None
     if layout is not None:
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
         given = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, microbatches=microbatches,
                      virtual=virtual, algorithm=algorithm, schedule=schedule,
-                     balanced=balanced)
+                     balanced=balanced, sp=sp)
         defaults = dict(dp=1, tp=1, pp=1, cp=1, zero=0, microbatches=1, virtual=1,
-                        algorithm="ring", schedule=None, balanced=True)
+                        algorithm="ring", schedule=None, balanced=True, sp=False)
         both = [k for k in given if given[k] != defaults[k]]
         if both:
             raise ValueError(f"give the layout or {both[0]}=, not both")
         layout.validate(config)
         dp, tp, pp, cp, zero = layout.dp, layout.tp, layout.pp or 1, layout.cp or 1, layout.zero
         microbatches, virtual, schedule = layout.micro_batches, layout.virtual, layout.schedule
-        algorithm, balanced = layout.algorithm, layout.balanced
+        algorithm, balanced, sp = layout.algorithm, layout.balanced, layout.sp
+        layout_buckets = layout.bucket_bytes
     for name, value in dict(dp=dp, tp=tp, pp=pp, cp=cp, batch=batch, seq=seq,
                             microbatches=microbatches, virtual=virtual).items():
         _positive_int(name, value)
@@ -141,9 +149,11 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         raise ValueError(f"balanced must be True or False, got {balanced!r}")
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not isinstance(sp, bool):
+        raise ValueError(f"sp must be True or False, got {sp!r}")
     Layout(dp=dp, tp=tp, pp=pp if pp > 1 else None, cp=cp if cp > 1 else None, zero=zero,
            micro_batches=microbatches, virtual=virtual, schedule=schedule,
-           balanced=balanced).validate(config)        # the combinations that do not train
+           balanced=balanced, sp=sp).validate(config)   # the combinations that do not train
     if seq > config.max_seq_len:
         raise ValueError(f"seq ({seq}) exceeds the config's max_seq_len "
                          f"({config.max_seq_len})")
@@ -171,13 +181,20 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         layout["schedule"] = schedule
     bubble = float(bubble_fraction(pp, microbatches, virtual))
     f = ITEMSIZE[dtype]
-    if cp > 1 and (dp, tp, pp, zero, microbatches) != (1, 1, 1, 0, 1):
-        layout["balanced"] = balanced             # a composed ring: not priced here yet
+    if sp:
+        layout["sp"] = True
+    if layout_buckets is not None:          # the buckets' chunks: not priced here yet
+        layout["bucket_bytes"] = layout_buckets
         return Plan(layout, None, None, None, None, None, bubble)
-    if pp > 1 and zero:
+    if cp > 1 and (pp > 1 or microbatches > 1):
+        layout["balanced"] = balanced             # not priced here yet
         return Plan(layout, None, None, None, None, None, bubble)
-    if config.n_kv_heads < tp:                    # shared key/value heads: not priced yet
+    if pp > 1 and (zero or sp or config.n_kv_heads < tp):
         return Plan(layout, None, None, None, None, None, bubble)
+    if cp > 1 and (dp, tp, zero, sp, config.recompute) != (1, 1, 0, False, "none"):
+        layout["balanced"] = balanced
+        return _composed_context_plan(config, layout, dp, tp, cp, zero, sp, balanced, batch,
+                                      seq, f, algorithm, bubble)
     if cp > 1:
         layout["balanced"] = balanced
         return _context_plan(config, layout, cp, balanced, batch, seq, f, algorithm, bubble)
@@ -195,7 +212,7 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         activations = decoder_sizes(replace(config, dtype=dtype), batch // dp,
                                     seq)["activation_bytes"]
     memory_per_rank = []
-    traffic_per_rank = step_traffic(config, batch // dp, seq, tp, dp, False, zero, algorithm,
+    traffic_per_rank = step_traffic(config, batch // dp, seq, tp, dp, sp, zero, algorithm,
                                     f)
     for d in range(dp):
         for t in range(tp):
@@ -251,6 +268,29 @@ def _pipeline_plan(config, layout, dp, pp, virtual, microbatches, batch, seq, f,
     traffic = {k: b for k, b in sorted(traffic_per_rank[busiest].items()) if b}
     return Plan(layout, memory_per_rank[fullest], memory_per_rank, traffic,
                 traffic_per_rank, sent, bubble, peak)
+
+
+def _composed_context_plan(config, layout, dp, tp, cp, zero, sp, balanced, batch, seq, f,
+                           algorithm, bubble) -> Plan:
+    """A ring with dp, tp, ZeRO or SP: volume.step_traffic's bytes per world rank
+    w = (d cp + c) tp + t, and each rank's parameters, gradients and optimizer state from
+    zero_memory over the data group (dp x cp); activations are not priced (None)."""
+    traffic_per_rank = step_traffic(config, batch // dp, seq, tp, dp, sp, zero, algorithm, f,
+                                    cp=cp, balanced=balanced)
+    memory_per_rank = []
+    for d in range(dp):
+        for c in range(cp):
+            for t in range(tp):
+                m = zero_memory(config, tp, t, dp * cp, d * cp + c, zero, f)
+                m["activations"] = None
+                m["total"] = m["params"] + m["grads"] + m["optimizer"]
+                memory_per_rank.append(m)
+    sent = [sum(r.values()) for r in traffic_per_rank]
+    fullest = max(range(len(memory_per_rank)), key=lambda w: memory_per_rank[w]["total"])
+    busiest = max(range(len(sent)), key=lambda w: sent[w])
+    traffic = {f"{g} {op}": b for (g, op), b in sorted(traffic_per_rank[busiest].items())}
+    return Plan(layout, memory_per_rank[fullest], memory_per_rank, traffic,
+                traffic_per_rank, sent, bubble)
 
 
 def _context_plan(config, layout, cp, balanced, batch, seq, f, algorithm, bubble) -> Plan:

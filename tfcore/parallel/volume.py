@@ -79,16 +79,20 @@ def replicated_elements(config) -> int:
 def local_parameters(config, tp: int, t: int) -> int:
     """P_t: parameters held by tensor-parallel rank t (vocabulary rows V_t, 1/N_T of the
     heads and MLP columns, the replicated tensors whole). The fused q, k, v projection has
-    D + 2 H_kv D_h columns (3 D without grouped-query attention, which tp > 1 requires)."""
+    D + 2 H_kv D_h columns; rank t holds D / N_T of the query columns and the columns of its
+    key/value heads (H_kv / N_T of them, or the one it shares when H_kv < N_T)."""
+    from .parts import kv_heads_of
+
     D, F, L, N = config.d_model, config.d_ff, config.n_layers, tp
     a, b = chunk_bounds(config.vocab_size, N)[t]
     V_t = b - a
-    qkv = D + 2 * config.n_kv_heads * config.head_dim
-    per_layer = D * qkv // N + D * D // N + D * F // N + F * D // N
+    k0, k1 = kv_heads_of(config, N, t)          # H_kv / N heads, or the one head it shares
+    qkv = D // N + 2 * (k1 - k0) * config.head_dim                 # this rank's q, k, v
+    per_layer = D * qkv + D * D // N + D * F // N + F * D // N
     if config.mlp == "swiglu":
         per_layer += D * F // N
     if config.bias:
-        per_layer += qkv // N + F // N * (2 if config.mlp == "swiglu" else 1)
+        per_layer += qkv + F // N * (2 if config.mlp == "swiglu" else 1)
     P = V_t * D + L * per_layer + replicated_elements(config)
     if not config.tied_head:
         P += D * V_t
@@ -164,7 +168,7 @@ def step_bytes(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, z
 def local_shape(name: str, shape, config, tp: int, t: int) -> tuple:
     """The shape of tensor `name` on tensor-parallel rank t (model.shard_tensor's rule,
     without allocating anything)."""
-    from .model import shard_rule
+    from .parts import shard_rule
 
     shape = tuple(int(n) for n in shape)
     rule = shard_rule(name)
@@ -173,7 +177,11 @@ def local_shape(name: str, shape, config, tp: int, t: int) -> tuple:
         return (b - a,) + shape[1:]
     if rule == "vocab_cols":
         return shape[:-1] + (b - a,)
-    if rule in ("qkv_cols", "cols"):
+    if rule == "qkv_cols":                       # its query heads and key/value heads
+        from .parts import qkv_columns
+
+        return shape[:-1] + (len(qkv_columns(config, tp, t)),)
+    if rule == "cols":
         return shape[:-1] + (shape[-1] // tp,)
     if rule == "rows":
         return (shape[0] // tp,) + shape[1:]
@@ -228,21 +236,53 @@ def zero_collectives(config, tp: int, t: int, dp: int, zero: int) -> list[tuple[
 
 
 def step_traffic(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, zero: int,
-                 algorithm: str = "ring", itemsize: int = 8) -> list[dict]:
-    """Bytes each world rank sends in one training step, by (group, op):
-    [{(group, op): bytes}] per world rank w = d * tp + t. ZeRO stages 0-3."""
+                 algorithm: str = "ring", itemsize: int = 8, cp: int | None = None,
+                 balanced: bool = True) -> list[dict]:
+    """Bytes each world rank sends in one training step (one micro-batch), by (group, op):
+    [{(group, op): bytes}] per world rank w = (d * N_C + c) * tp + t (mesh.py; N_C = 1 and
+    w = d * tp + t without a ring). ZeRO stages 0-3 over the data group (dp, or dp x cp,
+    named "cp" when dp = 1); with a ring (cp) each rank's activations are its positions
+    [B, S_c, D] and every layer adds the ring's forward and backward ("cp", "ring") of its
+    key/value heads; recompute='full' runs each block's forward again in the backward (its
+    collectives once more); key/value heads shared over tp (H_kv < N_T) sum their gradient
+    columns over the sharing ranks ("kv", "all_reduce")."""
+    from .context import ContextLayout, ring_attention_bytes
+    from .parts import kv_heads_of
+
+    C = cp or 1
+    data_name = "dp" if cp is None else ("cp" if dp == 1 else "dp x cp")
+    L, D_h = config.n_layers, config.head_dim
+    ring = ContextLayout(seq, C, balanced) if cp is not None else None
     out = []
     for d in range(dp):
-        for t in range(tp):
-            by_op: dict = {}
-            calls = [(g, op, M) for g, op, M in step_collectives(config, batch_local, seq,
-                                                                  tp, dp, sp, zero)]
-            calls += [("dp", op, M) for op, M in zero_collectives(config, tp, t, dp, zero)]
-            for group, op, M in calls:
-                n, r = (tp, t) if group == "tp" else (dp, d)
-                sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
-                by_op[(group, op)] = by_op.get((group, op), 0) + sent
-            out.append(by_op)
+        for c in range(C):
+            S_c = ring.local_len(c) if ring is not None else seq
+            for t in range(tp):
+                calls = step_collectives(config, batch_local, S_c, tp, dp * C, sp, zero)
+                act = batch_local * S_c * config.d_model
+                if config.recompute == "full":   # each block's forward again: its exits
+                    calls += ([("tp", "all_gather", act), ("tp", "reduce_scatter", act)]
+                              if sp else [("tp", "all_reduce", act)]) * (2 * L)
+                calls += [("dp", op, M) for op, M in zero_collectives(config, tp, t, dp * C,
+                                                                      zero)]
+                k0, k1 = kv_heads_of(config, tp, t)
+                sharing = tp // config.n_kv_heads if config.n_kv_heads < tp else 1
+                if sharing > 1:
+                    per_layer = 2 * D_h * (config.d_model + (1 if config.bias else 0))
+                    calls += [("kv", "all_reduce", L * per_layer)]
+                by_op: dict = {}
+                for group, op, M in calls:
+                    n, r = dict(tp=(tp, t), dp=(dp * C, d * C + c),
+                                kv=(sharing, t % sharing))[group]
+                    name = data_name if group == "dp" else group
+                    sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
+                    by_op[(name, op)] = by_op.get((name, op), 0) + sent
+                if ring is not None:
+                    moved = ring_attention_bytes(ring, batch_local, k1 - k0, D_h,
+                                                 itemsize=itemsize)
+                    passes = moved["forward"][c] * (2 if config.recompute == "full" else 1)
+                    by_op[("cp", "ring")] = L * (passes + moved["backward"][c])
+                out.append(by_op)
     return out
 
 
