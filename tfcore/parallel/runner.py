@@ -8,8 +8,7 @@ import time
 
 import numpy as np
 
-from .. import backend, checks
-from .. import functional as F
+from .. import backend, checks, ops
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from ..optim import ShardView, clip_grad_norm
 from .grads import (
@@ -118,10 +117,10 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
             total = 0.0
             for (ids_k, targets_k), w in zip(pieces, weights):
                 logits, _ = model.forward(backend.asarray(ids_k))           # [B/K, S, V]
-                loss, c_loss = F.cross_entropy_forward(logits, backend.asarray(targets_k),
-                                                       IGNORE_INDEX)
+                loss, c_loss = ops.cross_entropy_forward(logits, backend.asarray(targets_k),
+                                                         IGNORE_INDEX)
                 total += w * float(loss)
-                model.backward(F.cross_entropy_backward(w, c_loss))
+                model.backward(ops.cross_entropy_backward(w, c_loss))
             losses.append(total)
         if max_norm is not None:
             norms.append(clip_grad_norm(p.grad, max_norm))
@@ -129,6 +128,89 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
         opt.step()
     return dict(losses=losses, params=np.array(backend.to_numpy(p.data)), grads=grads,
                 norms=norms)
+
+
+class Run:
+    """One rank's training state under a layout: the mesh, the model (the one decoder with
+    this layout's parts), its optimizer and the optimizer's sharding strategy."""
+
+    def __init__(self, mesh, model, optimizer, shard, layout):
+        self.mesh, self.model, self.optimizer, self.shard = mesh, model, optimizer, shard
+        self.layout = layout
+
+    @property
+    def zero(self) -> int:
+        return self.layout.zero
+
+
+def build(world, config: DecoderConfig, layout: Layout, hyper=None, mesh=None) -> Run:
+    """The model and AdamW of one rank of `layout` (no pipeline), with zeroed parameters:
+    load them (model.load_full, or tfcore.parallel.checkpoint.load_state) before training.
+    mesh: the layout's Mesh on `world`, when already built."""
+    from .fsdp import ShardedDecoder
+
+    if layout.pp is not None:
+        raise ValueError("build takes a layout without pipeline stages (pp): the pipeline "
+                         "runs its stages through train_pipeline")
+    hyper = dict(HYPER, **(hyper or {}))
+    mesh = mesh or Mesh(world, layout.tp, layout.dp, cp=layout.cp)
+    layout.validate(config, world=world.size)
+    data = mesh.data                 # the gradients' group: dp, or dp x cp with a ring
+    if layout.zero >= 2:
+        model = ShardedDecoder(config, mesh.tp, data, layout.zero, layout.sp, mesh.cp,
+                               layout.balanced)
+        shard = ZeRO23(model)
+        opt = adamw(ZeRO23.buffers(model), shard, hyper, clip=layout.clip)
+        model.ledger.hold("optimizer", opt.m, "m")                      # [Z_d] each
+        model.ledger.hold("optimizer", opt.v, "v")
+    else:
+        model = TensorParallelDecoder(config, mesh.tp, data, layout.sp, mesh.cp,
+                                      layout.balanced)
+        tp_mask = None if layout.clip is None else tensor_parallel_mask(model)  # [P_local]
+        # replicated: the gradient is summed by the step (buckets, or reduce_gradients)
+        shard = (ZeRO1(data, mesh.tp, tp_mask, reduce=layout.bucket_bytes is None)
+                 if layout.zero == 1 else Replicated(data, mesh.tp, tp_mask, reduce=False))
+        opt = adamw(model.params, shard, hyper, clip=layout.clip)
+    return Run(mesh, model, opt, shard, layout)
+
+
+def train_step(run: Run, ids, targets, batch: int, dropout=None, overlap: bool = True):
+    """One update of `run` on the global batch ids, targets [B, S] (host; every rank holds
+    it and takes its rows): its micro-batches forward and backward (weights c_k / T_c), the
+    gradient summed over the data group (buckets during the last backward, or after it),
+    clipped and stepped by the optimizer. dropout: None, or a function giving the forward's
+    dropout settings, dict(training=True, rng=...) with a new generator of the step's seed
+    (seeded alike on every rank): each micro-batch draws the whole batch's masks afresh and
+    keeps its rows. -> (loss, seconds waited for the gradient's all-reduce)."""
+    mesh, model, layout = run.mesh, run.model, run.layout
+    K = layout.micro_batches
+    rows = batch // mesh.dp_size
+    b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
+    model.zero_grad()
+    pieces = split_micro_batches(ids[b0:b1], targets[b0:b1], K)
+    weights = [1.0] if K == 1 else accumulation_weights(pieces, mesh.dp)[0]
+    buckets = None if layout.bucket_bytes is None else GradientBuckets(
+        model.params, mesh.data, model.config.n_layers, layout.bucket_bytes,
+        blocking=not overlap)
+    loss = 0.0
+    for k, ((ids_k, targets_k), w) in enumerate(zip(pieces, weights)):
+        r0 = b0 + k * (rows // K)                # micro-batch k: global rows r0 ..
+        _, loss_k = model.forward(backend.asarray(ids_k), backend.asarray(targets_k),
+                                  batch_rows=(r0, r0 + rows // K, batch),
+                                  **(dropout() if dropout is not None else {}))
+        loss = float(loss_k) if K == 1 else loss + w * float(loss_k)
+        hook = buckets.unit_done if buckets is not None and k == K - 1 else None
+        model.backward(dloss=w, after_unit=hook)
+    waited = time.perf_counter()
+    exposed = None
+    if buckets is not None:
+        buckets.finish()
+        exposed = buckets.exposed
+    elif layout.zero == 0:
+        run.shard.reduce_gradients(model.params)
+        exposed = time.perf_counter() - waited
+    run.optimizer.step()
+    return loss, exposed
 
 
 def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: int, tp: int = 1,
@@ -149,88 +231,52 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     bucket_bytes: all-reduce the gradient in buckets of at most that many bytes, started
     during the last micro-batch's backward (overlap=True) or after it (overlap=False).
     exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
-    from .fsdp import ShardedDecoder
-
     K, max_norm = _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=True)
     stage = int(zero)
     layout = Layout(tp=tp, dp=dp or world.size // (tp * (cp or 1)), sp=sequence_parallel,
                     zero=stage, micro_batches=K, clip=max_norm, bucket_bytes=bucket_bytes,
                     cp=cp, balanced=balanced).validate(config)
-    hyper = dict(HYPER, **(hyper or {}))
-    mesh = Mesh(world, tp, dp, cp=cp)
+    mesh = Mesh(world, tp, dp, cp=cp)        # the sizes' own messages, before anything else
     layout.validate(config, world=world.size)
-    if batch % mesh.dp_size:
-        raise ValueError(f"the global batch ({batch}) must be divisible by dp={mesh.dp_size}")
-    if (batch // mesh.dp_size) % K:
+    dp_size = mesh.dp_size
+    if batch % dp_size:
+        raise ValueError(f"the global batch ({batch}) must be divisible by dp={dp_size}")
+    if (batch // dp_size) % K:
         raise ValueError(f"micro_batches ({K}) must divide the rows of each data-parallel "
-                         f"rank ({batch // mesh.dp_size})")
-    data = mesh.data                 # the gradients' group: dp, or dp x cp with a ring
-    if stage >= 2:
-        model = ShardedDecoder(config, mesh.tp, data, stage, sequence_parallel, mesh.cp,
-                               balanced)
-    else:
-        model = TensorParallelDecoder(config, mesh.tp, data, sequence_parallel, mesh.cp,
-                                      balanced)
+                         f"rank ({batch // dp_size})")
+    run = build(world, config, layout, hyper, mesh)
+    model = run.model
     full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(world, full, ids, targets)
     model.load_full(full)
-    if stage >= 2:
-        shard = ZeRO23(model)
-        opt = adamw(ZeRO23.buffers(model), shard, hyper, clip=max_norm)
-        model.ledger.hold("optimizer", opt.m, "m")                      # [Z_d] each
-        model.ledger.hold("optimizer", opt.v, "v")
-    else:
-        tp_mask = None if max_norm is None else tensor_parallel_mask(model)  # bool [P_local]
-        # replicated: the gradient is summed below (buckets, or reduce_gradients timed alone)
-        shard = (ZeRO1(data, mesh.tp, tp_mask, reduce=bucket_bytes is None) if stage == 1
-                 else Replicated(data, mesh.tp, tp_mask, reduce=False))
-        opt = adamw(model.params, shard, hyper, clip=max_norm)
-    rows = batch // mesh.dp_size
-    b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
     losses, grads, step_calls, times, norms, exposed = [], None, [], [], [], []
     for t in range(steps):
         start = time.perf_counter()
-        model.zero_grad()
         before = len(world.traffic.calls)
         if stage >= 2:
             model.ledger.mark(f"step {t}")
-        pieces = split_micro_batches(ids[t, b0:b1], targets[t, b0:b1], K)
-        weights = [1.0] if K == 1 else accumulation_weights(pieces, mesh.dp)[0]
-        buckets = None if bucket_bytes is None else GradientBuckets(
-            model.params, data, config.n_layers, bucket_bytes, blocking=not overlap)
-        loss = 0.0
-        for k, ((ids_k, targets_k), w) in enumerate(zip(pieces, weights)):
-            r0 = b0 + k * (rows // K)                # micro-batch k: global rows r0 ..
-            _, loss_k = model.forward(backend.asarray(ids_k), backend.asarray(targets_k),
-                                      batch_rows=(r0, r0 + rows // K, batch),
-                                      **_dropout(config, seed, t))
-            loss = float(loss_k) if K == 1 else loss + w * float(loss_k)
-            hook = buckets.unit_done if buckets is not None and k == K - 1 else None
-            model.backward(dloss=w, after_unit=hook)
+        loss, waited = train_step(run, ids[t], targets[t], batch,
+                                  lambda t=t: _dropout(config, seed, t), overlap)
         losses.append(loss)
-        waited = time.perf_counter()
-        if buckets is not None:
-            buckets.finish()
-            exposed.append(buckets.exposed)
-        elif stage == 0:
-            shard.reduce_gradients(model.params)
-            exposed.append(time.perf_counter() - waited)
-        opt.step()
+        if waited is not None:
+            exposed.append(waited)
         if stage >= 2:
             model.ledger.mark("optimizer step")
-        norms.append(opt.last_norm)
+        norms.append(run.optimizer.last_norm)
         step_calls.append(world.traffic.calls[before:])
         times.append(time.perf_counter() - start)
         if stage == 0 and gather and t == steps - 1:   # the summed gradient (step leaves it)
             grads = np.array(backend.to_numpy(model.gather_full("grad")))
     params = np.array(backend.to_numpy(model.gather_full("data"))) if gather else None
     out = dict(losses=losses, params=params, grads=grads, step_calls=step_calls,
-               state_bytes=opt.state_bytes(), times=times, norms=norms, exposed=exposed)
+               state_bytes=run.optimizer.state_bytes(), times=times, norms=norms,
+               exposed=exposed)
     if stage >= 2:
         out.update(ledger=model.ledger, local_params=model.size, shard_size=model.shard_size)
     else:
         b = np.dtype(model.params.dtype).itemsize                   # what this rank keeps:
+        opt = run.optimizer
         out.update(local_params=model.params.size,
                    held=dict(params=model.params.data.size * b,
                              grads=model.params.grad.size * b,
