@@ -36,6 +36,29 @@ def check_layout(config: DecoderConfig, tp: int, seq_len: int | None = None,
     check_tensor_parallel(config, tp, seq_len, sequence_parallel)
 
 
+def gather_tensors(config: DecoderConfig, tp, get):
+    """The one-device flat buffer [P] (config.param_shapes() order) from every tensor-parallel
+    rank's blocks, get(name) -> this rank's block of tensor `name` (collective over tp; every
+    rank gets it)."""
+    xp = backend.xp()
+    out = []
+    for name in config.param_shapes():
+        local = get(name)
+        if shard_rule(name) == "replicated":
+            out.append(xp.reshape(local, (-1,)))
+            continue
+        sizes = tp.all_gather_object(int(local.size))
+        shapes = tp.all_gather_object(tuple(local.shape))
+        bounds, start = [], 0
+        for s in sizes:
+            bounds.append((start, start + s))
+            start += s
+        flat = tp.all_gather_flat(xp.reshape(local, (-1,)), bounds)
+        pieces = [xp.reshape(flat[a:b], shp) for (a, b), shp in zip(bounds, shapes)]
+        out.append(xp.reshape(unshard_tensor(name, pieces, config), (-1,)))
+    return xp.concat(out, axis=0)
+
+
 def config_hash(config: DecoderConfig, **layout) -> str:
     text = json.dumps(dict(config=config.to_dict(), **layout), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -94,24 +117,8 @@ class TensorParallelDecoder(DecoderLM):
     def gather_full(self, which: str = "data"):
         """The full flat buffer of the single-device layout (every rank gets it; collective
         over tp). which: 'data' or 'grad'."""
-        xp = backend.xp()
         get = self.params.__getitem__ if which == "data" else self.params.grad_of
-        out = []
-        for name, shape in self.config.param_shapes().items():
-            local = get(name)
-            if shard_rule(name) == "replicated":
-                out.append(xp.reshape(local, (-1,)))
-                continue
-            sizes = self.tp.all_gather_object(int(local.size))
-            shapes = self.tp.all_gather_object(tuple(local.shape))
-            bounds, start = [], 0
-            for s in sizes:
-                bounds.append((start, start + s))
-                start += s
-            flat = self.tp.all_gather_flat(xp.reshape(local, (-1,)), bounds)
-            pieces = [xp.reshape(flat[a:b], shp) for (a, b), shp in zip(bounds, shapes)]
-            out.append(xp.reshape(unshard_tensor(name, pieces, self.config), (-1,)))
-        return xp.concat(out, axis=0)
+        return gather_tensors(self.config, self.tp, get)
 
     def sum_replicated_grads(self, before=None):
         """Sum over the tensor-parallel group the gradients each rank computed from its
