@@ -127,6 +127,15 @@ class TrainConfig:
     eval_batches: int = 4         # validation batches per evaluation (the same ones each time)
     checkpoint_interval: int = 0  # save every this many steps (0: only at the end)
     progress: bool = True         # show a tqdm progress bar and the evaluations
+    # the layout (tfcore.parallel.Layout; the text tasks): ranks of data, tensor and context
+    # parallelism, the ZeRO stage, sequence parallelism and micro-batches per step. A run
+    # may resume under another layout: a checkpoint holds one device's state
+    dp: int = 1
+    tp: int = 1
+    cp: int | None = None
+    zero: int = 0
+    sp: bool = False
+    micro_batches: int = 1
 
     def __post_init__(self):
         family = task_family(self.task) if isinstance(self.task, str) else None
@@ -208,18 +217,44 @@ class TrainConfig:
         if self.position == "rotary" and (self.d_model // self.n_heads) % 2:
             raise ConfigError("n_heads", "must leave an even head width d_model / n_heads "
                               "for rotary positions")
-        for name in ("standardize", "progress"):
+        for name in ("standardize", "progress", "sp"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (bool, np.bool_)):
                 raise ConfigError(name, f"must be True or False, got {value!r}")
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
             raise ConfigError("out_dir", f"must be a path, got {self.out_dir!r}")
+        self.layout()
+        defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in LAYOUT_FIELDS}
+        given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]]
+        if given and family != "text":
+            raise ConfigError(given[0], f"is for the text tasks: task {self.task!r} trains on "
+                              "one device (leave the layout options out)")
         return self
+
+    def layout(self):
+        """The run's tfcore.parallel.Layout (its fields' own checks, ConfigError naming it)."""
+        from .parallel.layout import Layout
+
+        for name in ("dp", "tp", "micro_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if self.cp is not None and (isinstance(self.cp, bool) or not isinstance(
+                self.cp, (int, np.integer)) or self.cp < 1):
+            raise ConfigError("cp", f"must be an integer >= 1, got {self.cp!r}")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        return Layout(dp=int(self.dp), tp=int(self.tp), cp=self.cp, zero=int(self.zero),
+                      sp=bool(self.sp), micro_batches=int(self.micro_batches),
+                      clip=self.grad_clip or None)
 
 
 # Fields that may differ between a checkpoint and the run that resumes it: they change
-# where files go and how often we look, never the trajectory of the parameters.
-FREE_FIELDS = ("out_dir", "eval_interval", "eval_batches", "checkpoint_interval", "progress")
+# where files go and how often we look, or the layout (whose runs equal one device's to
+# rounding), never the trajectory of the parameters.
+LAYOUT_FIELDS = ("dp", "tp", "cp", "zero", "sp", "micro_batches")
+FREE_FIELDS = ("out_dir", "eval_interval", "eval_batches", "checkpoint_interval", "progress",
+               *LAYOUT_FIELDS)
 
 PRESETS = {
     # The Training chapter's run: a few seconds on 2 cores.
@@ -274,8 +309,17 @@ class Trainer:
     HISTORY_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s",
                     "eval_step", "val_loss", "val_accuracy")
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, world=None):
+        """world: the communicator of a parallel layout's ranks (tfcore.parallel: a
+        SimulatedGroup's or MPIComm), every rank building its Trainer with the same config;
+        None on one device."""
         self.config = cfg = config.validate()
+        self.layout = cfg.layout()
+        if world is not None and task_family(cfg.task) != "text":
+            raise ConfigError("simulate", f"is for the text tasks: task {cfg.task!r} trains "
+                              "on one device")
+        self.world, self.run_state = world, None
+        self.rank0 = world is None or world.rank == 0
         self.text_sha256 = None
         family = task_family(cfg.task)
         if family == "text":
@@ -325,6 +369,9 @@ class Trainer:
                 vocab_size=vocab, max_seq_len=max_len, d_model=cfg.d_model,
                 n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, norm=cfg.norm,
                 position=cfg.position, mlp=cfg.mlp, dropout=cfg.dropout, dtype=cfg.dtype)
+            if world is not None or self.layout.world_size > 1:
+                self._build_parallel(world)
+                return
             self.model = DecoderLM(self.model_config).init(cfg.seed)
         self.params = self.model.params
         betas = (cfg.beta1, cfg.beta2)
@@ -333,11 +380,48 @@ class Trainer:
                                       weight_decay=cfg.weight_decay)
                           if cfg.weight_decay else
                           optim.Adam(self.params, lr=cfg.lr, betas=betas, eps=cfg.eps))
+        self._start()
+
+    def _start(self):
         self.step = 0
         self.history: dict[str, list] = {k: [] for k in self.HISTORY_KEYS}
         self.last_saved: Path | None = None   # the checkpoint this trainer last wrote
-        if cfg.out_dir is not None:
-            prepare_out_dir(cfg.out_dir)
+        if self.config.out_dir is not None and self.rank0:
+            prepare_out_dir(self.config.out_dir)
+
+    def _build_parallel(self, world):
+        """The one decoder on this rank of the layout (tfcore.parallel.runner.build), its
+        AdamW, and its share of DecoderLM(model_config).init(seed)."""
+        from .parallel.layout import LayoutError
+        from .parallel.runner import build
+
+        cfg, layout = self.config, self.layout
+        if world is None:
+            raise ConfigError(LAYOUT_FIELDS[0] if cfg.dp > 1 else "tp",
+                              f"asks for {layout.world_size} ranks: run under mpiexec -n "
+                              f"{layout.world_size}, or with --simulate {layout.world_size}")
+        try:
+            layout.validate(self.model_config, world=world.size, batch=cfg.batch_size,
+                            seq=cfg.seq_len)
+        except LayoutError as err:
+            field = next(f for f in err.rule.fields if f in LAYOUT_FIELDS + ("clip",))
+            raise ConfigError("grad_clip" if field == "clip" else field,
+                              f"{getattr(cfg, 'grad_clip' if field == 'clip' else field)!r}: "
+                              f"{err}") from None
+        except ValueError as err:
+            raise ConfigError("dp" if "ranks" in str(err) or "batch" in str(err)
+                              else "seq_len", str(err)) from None
+        hyper = dict(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay)
+        try:
+            self.run_state = build(world, self.model_config, layout, hyper)
+        except ValueError as err:
+            raise ConfigError("tp", str(err)) from None
+        self.model = self.run_state.model
+        self.model.load_full(DecoderLM(self.model_config).init(cfg.seed).params)
+        self.optimizer = self.run_state.optimizer
+        self.params = None          # a rank holds blocks of them: see checkpoint.gather_state
+        self._start()
 
     # -- training ----------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -349,6 +433,8 @@ class Trainer:
         zeroed gradients, forward, backward, the global norm (clipped if grad_clip), the
         scheduled learning rate, the optimizer step (which refuses a nan or inf gradient)."""
         cfg = self.config
+        if self.run_state is not None:
+            return self._parallel_step()
         x, y = self.batches.next()                                        # [B, S] each
         self.params.zero_grad()
         rng = backend.default_rng(_step_seed(cfg.seed, self.step, 1)) if cfg.dropout else None
@@ -365,10 +451,39 @@ class Trainer:
         self.step += 1
         return float(loss)
 
+    def _parallel_step(self) -> float:
+        """train_step on a rank of the layout: the same batch on every rank, this rank's rows
+        of it (tfcore.parallel.runner.train_step), dropout's masks one device's."""
+        from .parallel.runner import train_step
+
+        cfg = self.config
+        x, y = (np.asarray(backend.to_numpy(a)) for a in self.batches.next())   # [B, S]
+        seed = _step_seed(cfg.seed, self.step, 1)
+        dropout = (lambda: dict(training=True, rng=backend.default_rng(seed))) \
+            if cfg.dropout else None
+        self.optimizer.lr = self.lr_at(self.step)
+        loss, _ = train_step(self.run_state, x, y, cfg.batch_size, dropout)
+        self.last_grad_norm = self.optimizer.last_norm      # None without clipping
+        self.step += 1
+        return loss
+
     def evaluate(self) -> dict:
         """Mean loss over eval_batches fixed validation batches (digit tasks: 500 held-out
         sequences, with their exact-match accuracy)."""
         cfg = self.config
+        if self.val_batches is not None and self.run_state is not None:
+            self.val_batches.state = self._val_state
+            mesh, B = self.run_state.mesh, cfg.batch_size
+            rows = B // mesh.dp_size
+            b0 = mesh.dp_rank * rows
+            losses = []
+            for _ in range(cfg.eval_batches):           # this rank's rows; the mean is global
+                x, y = (np.asarray(backend.to_numpy(a))[b0:b0 + rows]
+                        for a in self.val_batches.next())
+                losses.append(float(self.model.forward(backend.asarray(x), backend.asarray(y),
+                                                       batch_rows=(b0, b0 + rows, B))[1]))
+            self.model._cache = None
+            return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
         if self.val_batches is not None:
             self.val_batches.state = self._val_state        # the same batches every time
             losses = [float(self.model.forward(*self.val_batches.next())[1])
@@ -394,8 +509,10 @@ class Trainer:
 
     @property
     def log_path(self) -> Path | None:
-        """out_dir/log.jsonl, or None without an out_dir."""
-        return None if self.config.out_dir is None else Path(self.config.out_dir) / LOG_NAME
+        """out_dir/log.jsonl, or None without an out_dir (or on a rank other than 0)."""
+        if self.config.out_dir is None or not self.rank0:
+            return None
+        return Path(self.config.out_dir) / LOG_NAME
 
     def _open_log(self):
         """The run log, opened for appending; lines of steps past this trainer's step (a
@@ -421,7 +538,7 @@ class Trainer:
         tokens = cfg.batch_size * (2 * cfg.n_digits if task_family(cfg.task) == "digits"
                                    else cfg.seq_len)
         bar = None
-        if cfg.progress:
+        if cfg.progress and self.rank0:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=until, initial=self.step, desc="train", unit="step",
@@ -465,13 +582,19 @@ class Trainer:
         return self
 
     # -- checkpoints ---------------------------------------------------------------------
+    def _one_device_layout(self) -> list:
+        """[(name, shape)] of one device's flat buffer: what every checkpoint holds."""
+        if self.run_state is None:
+            return self.params.layout()
+        return list(self.model_config.param_shapes().items())
+
     def _meta(self) -> dict:
         opt = self.optimizer.state_dict()
         return {
             "format": FORMAT, "version": VERSION,
             "config": asdict(self.config),
             "model_config": self.model_config.to_dict(),
-            "layout": [[n, list(s)] for n, s in self.params.layout()],
+            "layout": [[n, list(s)] for n, s in self._one_device_layout()],
             "step": self.step,
             "optimizer": {k: v for k, v in opt.items() if k not in ("m", "v")},
             "sampler_state": self.batches.state,
@@ -487,18 +610,28 @@ class Trainer:
         inf: a checkpoint that load() would refuse must not replace a good one.
         """
         path = Path(path)
-        arrays = {
-            "params": backend.to_numpy(self.params.data),
-            "optimizer.m": backend.to_numpy(self.optimizer.m),
-            "optimizer.v": backend.to_numpy(self.optimizer.v),
-        }
+        if self.run_state is not None:  # every rank: one device's state, rank 0 writes it
+            from .parallel.checkpoint import gather_state
+
+            state = gather_state(self.run_state)
+            arrays = {"params": state["params"], "optimizer.m": state["m"],
+                      "optimizer.v": state["v"]}
+        else:
+            arrays = {
+                "params": backend.to_numpy(self.params.data),
+                "optimizer.m": backend.to_numpy(self.optimizer.m),
+                "optimizer.v": backend.to_numpy(self.optimizer.v),
+            }
         for key, values in arrays.items():
             if not np.all(np.isfinite(values)):
                 raise FloatingPointError(
                     f"refusing to save step {self.step} to {path}: {key} holds nan or inf "
                     "(the file there, if any, is left as it was)")
         arrays["meta"] = np.frombuffer(json.dumps(self._meta()).encode(), dtype=np.uint8)
-        atomic_write(path, arrays)
+        if self.rank0:
+            atomic_write(path, arrays)
+        if self.world is not None:          # no rank goes on before the file is whole
+            self.world.barrier()
         self.last_saved = path
         return path
 
@@ -514,9 +647,9 @@ class Trainer:
             layout = [(n, tuple(s)) for n, s in meta["layout"]]
         except (TypeError, ValueError, KeyError) as err:
             raise CheckpointError(f"{path}: malformed layout ({err})") from None
-        if layout != self.params.layout():
+        if layout != [(n, tuple(s)) for n, s in self._one_device_layout()]:
             raise ConfigMismatch(f"{path}: the parameter layout differs from this model's")
-        n = self.params.size
+        n = sum(int(np.prod(s)) for _, s in layout)
         for key in ("params", "optimizer.m", "optimizer.v"):
             if arrays[key].shape != (n,) or arrays[key].dtype != np.dtype(self.config.dtype):
                 raise CheckpointError(f"{path}: {key} has shape {arrays[key].shape} and dtype "
@@ -534,8 +667,18 @@ class Trainer:
         opt_state = dict(meta["optimizer"], m=arrays["optimizer.m"], v=arrays["optimizer.v"])
         if isinstance(opt_state.get("betas"), list):
             opt_state["betas"] = tuple(opt_state["betas"])
+        # checked by the optimizer's own rules, against one device's buffers
+        checker = self.optimizer
+        if self.run_state is not None:
+            from . import nn
+
+            checker = type(self.optimizer)(
+                nn.Parameters(self.model_config.param_shapes(), self.config.dtype),
+                lr=self.optimizer.lr, betas=self.optimizer.betas, eps=self.optimizer.eps,
+                **({"weight_decay": self.optimizer.weight_decay}
+                   if "weight_decay" in type(self.optimizer)._hyper else {}))
         try:
-            self.optimizer.check_state_dict(opt_state)
+            checker.check_state_dict(opt_state)
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: {err}") from None
         if opt_state["t"] + opt_state.get("skipped", 0) != step:
@@ -553,16 +696,25 @@ class Trainer:
             raise ConfigMismatch(f"{path}: the text file {self.config.text} has changed since "
                                  "this checkpoint was written")
         # Everything is checked: from here on nothing can fail halfway.
-        self.params.load_flat(arrays["params"])
-        self.optimizer.load_state_dict(opt_state)
+        if self.run_state is not None:
+            from .parallel.checkpoint import load_state
+
+            load_state(self.run_state, dict(params=arrays["params"], m=arrays["optimizer.m"],
+                                            v=arrays["optimizer.v"], t=int(opt_state["t"]),
+                                            skipped=int(opt_state.get("skipped", 0))))
+            self.optimizer.lr = float(opt_state["lr"])
+        else:
+            self.params.load_flat(arrays["params"])
+            self.optimizer.load_state_dict(opt_state)
         self.batches.state = meta["sampler_state"]
         self.step = step
         self.history = history
         return self
 
     @classmethod
-    def from_checkpoint(cls, path, **overrides) -> "Trainer":
-        """A trainer rebuilt from a checkpoint's own config (free fields may be overridden)."""
+    def from_checkpoint(cls, path, world=None, **overrides) -> "Trainer":
+        """A trainer rebuilt from a checkpoint's own config (free fields, the layout among
+        them, may be overridden), on `world`'s ranks for a parallel layout."""
         meta, _ = read_checkpoint(path)
         bad = set(overrides) - set(FREE_FIELDS)
         if bad:
@@ -572,7 +724,7 @@ class Trainer:
             config = TrainConfig(**dict(meta["config"], **overrides))
         except TypeError as err:
             raise CheckpointError(f"{path}: malformed configuration ({err})") from None
-        return cls(config).load(path)
+        return cls(config, world).load(path)
 
 
 CHECKPOINT_NAME, LOG_NAME = "checkpoint.npz", "log.jsonl"
@@ -798,6 +950,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="continue from a checkpoint, with its own configuration")
     parser.add_argument("--backend", choices=backend.BACKENDS,
                         help="array library (default: TFCORE_BACKEND or numpy)")
+    parser.add_argument("--simulate", type=int, metavar="N",
+                        help="run a parallel layout's N ranks as threads of this process "
+                             "(without it, a layout of more than one rank runs under "
+                             "mpiexec -n N, one rank per process)")
     for f in fields(TrainConfig):
         if f.type in (bool, "bool", "bool | None"):
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
@@ -849,6 +1005,8 @@ def _main(argv) -> int:
         backend.set_backend(args.backend)
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
              if getattr(args, f.name) is not None}
+    if args.simulate is not None and args.simulate < 1:
+        raise ConfigError("simulate", f"must be a number of ranks >= 1, got {args.simulate}")
     if args.resume:
         if args.preset:
             raise ConfigError("preset", "cannot be combined with --resume (a resumed run "
@@ -857,8 +1015,8 @@ def _main(argv) -> int:
         free = {k: v for k, v in given.items() if k in FREE_FIELDS}
         if "out_dir" not in free and not meta["config"].get("out_dir"):
             free["out_dir"] = str(Path(args.resume).parent)
-        trainer = Trainer.from_checkpoint(args.resume, **free)
-        check_config(meta, dataclasses.replace(trainer.config, **given), args.resume)
+        config = TrainConfig(**dict(_upgraded_config(meta["config"]), **free))
+        check_config(meta, dataclasses.replace(config, **given), args.resume)
     else:
         values = dict(PRESETS.get(args.preset, {}), **given)
         if "text" in given:
@@ -875,16 +1033,75 @@ def _main(argv) -> int:
                       f"using {steps // 10} (choose with --warmup-steps)", file=sys.stderr)
         if "out_dir" not in given:
             values["out_dir"] = _default_out_dir(args.preset or values.get("task", "run"))
-        trainer = Trainer(TrainConfig(**values))
+        config = TrainConfig(**values)
+    ranks = config.validate().layout().world_size
+
+    def session(world):
+        if args.resume:
+            trainer = Trainer.from_checkpoint(args.resume, world,
+                                              **{k: getattr(config, k) for k in FREE_FIELDS})
+        else:
+            trainer = Trainer(config, world)
+        return _report(trainer, args.resume)
+
+    if args.simulate is not None:
+        if args.simulate != ranks:
+            raise ConfigError("simulate", f"{args.simulate} ranks, but the layout "
+                              f"{config.layout().shape()} needs {ranks}")
+        from .parallel import SimulatedGroup
+
+        outcomes = SimulatedGroup(ranks).run(_caught(session))
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                raise outcome
+        return outcomes[0]
+    if ranks == 1:
+        return session(None)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError("simulate", f"is needed for a layout of {ranks} ranks without "
+                          "mpi4py (pip install mpi4py mpich, then mpiexec -n "
+                          f"{ranks}): give --simulate {ranks}") from None
+    if MPI.COMM_WORLD.Get_size() != ranks:
+        raise ConfigError("dp", f"the layout {config.layout().shape()} needs {ranks} ranks, "
+                          f"but mpiexec started {MPI.COMM_WORLD.Get_size()}")
+    from .parallel.comm import MPIComm, abort_on_error
+
+    with abort_on_error():
+        return session(MPIComm())
+
+
+def _caught(session):
+    """session, with a bad setting returned rather than raised (every rank finds the same
+    one, before any collective), so the command line reports it once."""
+    def body(world):
+        try:
+            return session(world)
+        except (ConfigError, CheckpointError, ConfigMismatch) as err:
+            return err
+    return body
+
+
+def _report(trainer: "Trainer", resume) -> int:
+    """Train, with rank 0's account of it on stderr and stdout."""
     cfg = trainer.config
-    print(f"model: {trainer.model.num_parameters():,} parameters, task {cfg.task}, "
-          f"{cfg.steps} steps, backend {backend.get_backend()}, output {cfg.out_dir}",
-          file=sys.stderr)
+    if trainer.rank0:
+        size = trainer.model_config.param_shapes() if hasattr(trainer.model_config,
+                                                              "param_shapes") else None
+        count = (sum(int(np.prod(s)) for s in size.values()) if size is not None
+                 else trainer.model.num_parameters())
+        where = "" if trainer.world is None else f", layout {trainer.layout.shape()}"
+        print(f"model: {count:,} parameters, task {cfg.task}, {cfg.steps} steps, backend "
+              f"{backend.get_backend()}{where}, output {cfg.out_dir}", file=sys.stderr)
     if trainer.step >= cfg.steps:
-        print(f"nothing to train: {args.resume} is at step {trainer.step} of {cfg.steps}; "
-              "nothing was written", file=sys.stderr)
+        if trainer.rank0:
+            print(f"nothing to train: {resume} is at step {trainer.step} of {cfg.steps}; "
+                  "nothing was written", file=sys.stderr)
         return 0
     trainer.run()
+    if not trainer.rank0:
+        return 0
     if trainer.history["eval_step"]:
         acc = trainer.history["val_accuracy"][-1]
         print(f"step {trainer.step}: train loss {trainer.history['loss'][-1]:.4g}, "

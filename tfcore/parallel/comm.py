@@ -993,7 +993,11 @@ class SimulatedGroup:
         first = first or [(r, e) for r, e in enumerate(errors) if e is not None]
         if first:
             rank, err = first[0]
-            raise type(err)(f"rank {rank}: {err}") from err
+            try:
+                named = type(err)(f"rank {rank}: {err}")
+            except TypeError:                    # an error made of more than a message
+                raise err from None
+            raise named from err
         return results
 
     def total(self) -> dict:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..optim import AdamW, ShardView
+from ..optim import Adam, AdamW, ShardView
 from .comm import chunk_bounds
 from .grads import GradPiece, global_sum_of_squares, parallel_pieces
 
@@ -190,6 +190,11 @@ class _UnitBuffers:
 
 def adamw(params, shard: ShardView, hyper: dict, clip: float | None = None) -> AdamW:
     """tfcore.optim.AdamW over `shard` from a dict of lr, beta1, beta2, eps, weight_decay
-    (the runners' HYPER)."""
-    return AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
-                 eps=hyper["eps"], weight_decay=hyper["weight_decay"], shard=shard, clip=clip)
+    (the runners' HYPER); Adam when weight_decay is 0 (the same update, saved as Adam, as
+    the one-device trainer saves it)."""
+    betas = (hyper["beta1"], hyper["beta2"])
+    if not hyper["weight_decay"]:
+        return Adam(params, lr=hyper["lr"], betas=betas, eps=hyper["eps"], shard=shard,
+                    clip=clip)
+    return AdamW(params, lr=hyper["lr"], betas=betas, eps=hyper["eps"],
+                 weight_decay=hyper["weight_decay"], shard=shard, clip=clip)
