@@ -253,6 +253,10 @@ def _cases(rng, dtype):
         "tiled_attention_backward": (ops.tiled_attention_backward, (dout, caches["tiled"])),
         "qkv_merge_grads": (ops.qkv_merge_grads, caches["grads"]),
         "residual_forward": (ops.residual_forward, (x, _r(rng, (3, 5, 8), dtype))),
+        "residual_backward": (ops.residual_backward, (x[:, ::2],)),     # a strided view too
+        "dropout_forward": (lambda *a: ops.dropout_forward(*a, training=False), (x, 0.3)),
+        "dropout_backward": (ops.dropout_backward, (_r(rng, (3, 5, 8), dtype),
+                                                    F.dropout_forward(x, 0.0)[1])),
         "add": (ops.add, (x, _r(rng, (3, 5, 8), dtype))),
         "adamw_update": (adamw, (*state, 3, 1e-2, 0.9, 0.95, 1e-8, 0.1, None)),
     }
@@ -386,3 +390,29 @@ def test_trusted_calls_skip_the_checks_only_where_a_kernel_runs(monkeypatch):
     monkeypatch.setattr(ops, "CHECK_TRUSTED", True)
     ops.linear_forward(x, W, trusted=True)
     assert len(seen) == 2 or not kernels.available()
+
+
+def test_dropout_and_the_residual_backward_kernels_hand_back_their_input(monkeypatch):
+    """dropout's kernel takes only the calls that drop nothing (p == 0, or evaluation) and
+    returns x itself with a cache without a mask; a call that draws a mask runs the
+    reference, and so does the backward of its cache; the residual sum's backward hands dy
+    itself to both branches. Bad settings raise the reference's error on the kernel path."""
+    calls = _spy(monkeypatch, "dropout_forward")
+    back = _spy(monkeypatch, "dropout_backward")
+    x = np.ones((4, 6))
+    y, cache = ops.dropout_forward(x, 0.5, training=False)
+    assert y is x and cache.keep is None and calls == ["dropout_forward"]
+    y, cache = ops.dropout_forward(x, 0.5, backend.default_rng(0))
+    assert calls == ["dropout_forward"] and cache.keep is not None and 0 < y.sum() < 2 * x.size
+    assert np.array_equal(ops.dropout_backward(x, cache), y) and back == []
+    assert ops.dropout_backward(x, ops.dropout_forward(x, 0.0)[1]) is x
+    assert back == ["dropout_backward"]
+    for bad in (lambda: ops.dropout_forward(x, 1.5, training=False),
+                lambda: ops.dropout_backward(x[:2], ops.dropout_forward(x, 0.0)[1])):
+        with pytest.raises(ValueError) as fast:
+            bad()
+        with kernels.disabled(), pytest.raises(ValueError) as reference:
+            bad()
+        assert str(fast.value) == str(reference.value)
+    dx, dfx = ops.residual_backward(x)
+    assert dx is x and dfx is x

@@ -75,6 +75,13 @@ qkv_merge_grads(dq, dk, dv) -> dqkv [B, S, 3D]                                  
     buffer (then the reference copies)                     any strides
 residual_forward(x, fx) -> y, Spec                                                 trusted
     kernel(x, fx) -> x + fx                                C-contiguous, one shape
+residual_backward(dy, cache=None) -> dy, dy (dy itself, twice)                     trusted
+    kernel(dy) -> dy, dy                                   any strides; like the cache's y
+dropout_forward(x, p, rng=None, training=True) -> y, DropoutCache                  trusted
+    kernel(x) -> x (itself)                                where it draws no mask: p == 0
+                                                           or training is False; any strides
+dropout_backward(dy, cache) -> dx                                                  trusted
+    kernel(dy) -> dy (itself)                              a cache with no mask; any strides
 add(a, b) -> a + b, unchecked (no reference op: a + b itself)
     kernel(a, b) -> a + b                                  C-contiguous, one shape
 adamw_update: no function here; tfcore.optim.adamw_update, the reference and its checks,
@@ -92,8 +99,8 @@ import os
 from typing import Callable, NamedTuple
 
 from .backend import namespace
-# modules only, never names from them at import time: tfcore.kernels (which functional's
-# transitional lines import) imports this module while functional is being initialized
+# modules only, never names from them: the reference ops and their checks are looked up at
+# each call, so that a test or a profiler that replaces one is seen here too
 from .functional import _caches, activations as _act, attention as _att, embedding as _emb
 from .functional import linear as _lin, normalization as _norm, regularization as _reg
 from .functional import softmax as _soft, tiled_attention as _tiled
@@ -103,7 +110,8 @@ OPS = ("linear_forward", "linear_backward", "linear_backward_into", "gelu_forwar
        "layernorm_backward", "rmsnorm_forward", "rmsnorm_backward", "cross_entropy_forward",
        "cross_entropy_backward", "embedding_backward", "attention_forward",
        "attention_backward", "tiled_attention_forward", "tiled_attention_backward",
-       "qkv_merge_grads", "residual_forward", "add", "adamw_update")
+       "qkv_merge_grads", "residual_forward", "residual_backward", "dropout_forward",
+       "dropout_backward", "add", "adamw_update")
 
 CHECK_TRUSTED = False      # True: trusted calls make the checks as well
 
@@ -407,6 +415,41 @@ def residual_forward(x, fx, *, trusted=False):
         _reg._check_residual_forward(x, fx)
     y = run(x, fx)
     return y, _caches.Spec(tuple(y.shape), y.dtype, namespace(y))
+
+
+def residual_backward(dy, cache=None, *, trusted=False):
+    """functional.residual_backward: the sum's gradient dy [...] to the skip and to the
+    branch alike -> dy, dy (dy itself, not copies)."""
+    run = kernel_for("residual_backward", dy, cache)
+    if run is None:
+        return _reg.residual_backward(dy, cache)
+    if _checks(trusted):
+        _reg._check_residual_backward(dy, cache)
+    return run(dy)
+
+
+def dropout_forward(x, p, rng=None, training=True, *, trusted=False):
+    """functional.dropout_forward: x [...] -> y [...], DropoutCache (x itself and no mask
+    where nothing is dropped: p == 0 or training=False)."""
+    run = kernel_for("dropout_forward", x, p, rng, training)
+    if run is None:
+        return _reg.dropout_forward(x, p, rng, training)
+    if _checks(trusted):
+        _reg._check_dropout_forward(x, p, training)
+    y = run(x)
+    return y, _caches.DropoutCache(None, 1.0, _caches.Spec(tuple(x.shape), x.dtype,
+                                                           namespace(x)))
+
+
+def dropout_backward(dy, cache, *, trusted=False):
+    """functional.dropout_backward: dy [...] -> dx [...] (dy itself where the forward drew
+    no mask)."""
+    run = kernel_for("dropout_backward", dy, cache)
+    if run is None:
+        return _reg.dropout_backward(dy, cache)
+    if _checks(trusted):
+        _reg._check_dropout_backward(dy, cache)
+    return run(dy)
 
 
 def add(a, b):

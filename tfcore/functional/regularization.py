@@ -17,9 +17,7 @@ def dropout_forward(x, p: float, rng=None, training: bool = True):
     x [...]  ->  y [...]; the cache: the boolean keep-mask (None at eval), the scale, and
     x's shape, dtype and library for the backward's check.
     """
-    xp = checks.float_inputs(x=x)
-    p = checks.probability("p", p)
-    training = checks.boolean("training", training)
+    xp, p, training = _check_dropout_forward(x, p, training)
     like = Spec(tuple(x.shape), x.dtype, xp)
     if not training or p == 0.0:
         return x, DropoutCache(None, 1.0, like)
@@ -36,13 +34,28 @@ def dropout_backward(dy, cache):
 
     At eval (or p == 0) the identity: returns dy itself (not a copy).
     """
-    keep, scale, (shape, dtype, xp) = cache
-    checks.upstream("dy", dy, shape, dtype, xp)
+    keep, scale, xp = _check_dropout_backward(dy, cache)
     if keep is None:
         return dy
     dx = xp.astype(keep, dy.dtype)
     dx *= dy * scale
     return dx
+
+
+def _check_dropout_forward(x, p, training):
+    """dropout_forward's checks (tfcore.ops makes them before a kernel's work): x a float
+    array, p a probability in [0, 1), training a bool -> (xp, p, training)."""
+    xp = checks.float_inputs(x=x)
+    p = checks.probability("p", p)
+    training = checks.boolean("training", training)
+    return xp, p, training
+
+
+def _check_dropout_backward(dy, cache):
+    """dropout_backward's check: dy like the forward's x -> (keep, scale, xp)."""
+    keep, scale, (shape, dtype, xp) = cache
+    checks.upstream("dy", dy, shape, dtype, xp)
+    return keep, scale, xp
 
 
 def residual_forward(x, fx):
@@ -71,8 +84,13 @@ def residual_backward(dy, cache=None):
     With the forward's cache, dy is checked against y; without one (cache=None), only that
     dy is a float array.
     """
+    _check_residual_backward(dy, cache)
+    return dy, dy
+
+
+def _check_residual_backward(dy, cache):
+    """residual_backward's check: dy like the forward's y (or a float array, cache=None)."""
     if cache is None:
         checks.float_inputs(dy=dy)
     else:
         checks.upstream("dy", dy, *cache)
-    return dy, dy

@@ -265,6 +265,38 @@ def _takes_sum(a, b):
     return applies(a, b) and a.shape == b.shape
 
 
+def _spec_of(dy, spec) -> bool:
+    """dy has the shape and dtype of a forward output's Spec (shape, dtype, library)."""
+    return (isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[0], tuple)
+            and dy.shape == spec[0] and dy.dtype == spec[1])
+
+
+def _both(dy):
+    """The residual sum's backward: dy to the skip and to the branch (itself, no copy)."""
+    return dy, dy
+
+
+def _takes_residual_backward(dy, cache):
+    return applies(dy, contiguous=False) and (cache is None or _spec_of(dy, cache))
+
+
+def _identity(x):
+    """Dropout that drops nothing (p == 0, or evaluation): x itself, no copy."""
+    return x
+
+
+def _takes_dropout_forward(x, p, rng, training):
+    nothing_dropped = training is False or (isinstance(p, (int, float))
+                                            and not isinstance(p, bool) and p == 0)
+    return nothing_dropped and applies(x, contiguous=False)
+
+
+def _takes_dropout_backward(dy, cache):
+    c = _fields(cache, 3)
+    return (c is not None and c[0] is None and applies(dy, contiguous=False)
+            and _spec_of(dy, c[2]))
+
+
 def _takes_adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, decay_mask):
     return applies(p, g, m, v, decay_mask)
 
@@ -294,6 +326,9 @@ def _register():
              applies=_takes_tiled_attention_backward)
     register("qkv_merge_grads", fused_qkv_grads, applies=_takes_qkv_merge_grads)
     register("residual_forward", add, applies=_takes_sum)
+    register("residual_backward", _both, applies=_takes_residual_backward)
+    register("dropout_forward", _identity, applies=_takes_dropout_forward)
+    register("dropout_backward", _identity, applies=_takes_dropout_backward)
     register("add", add, applies=_takes_sum)
     register("adamw_update", adamw_update, applies=_takes_adamw_update)
 
