@@ -31,27 +31,15 @@ decoder's docstring states the whole model's order.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from .. import functional as F
-from .. import kernels, nn
+from .. import nn, ops
 from ..backend import namespace
 from ..functional.activations import swiglu_backward, swiglu_forward
-from ..functional.attention import (
-    attention_backward,
-    attention_forward,
-    merge_heads,
-    qkv_merge_grads,
-    qkv_split,
-    split_heads,
-)
+from ..functional.attention import merge_heads, qkv_split, split_heads
 from ..functional.rope import rope_backward, rope_forward
-from ..functional._caches import TiledAttentionCache
-from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 from .moe import MoESpec, moe_param_shapes, moe_sublayer_backward, moe_sublayer_forward
 from .parts import ONE_DEVICE
 
@@ -155,48 +143,29 @@ def block_param_shapes(prefix: str, spec: BlockSpec) -> dict[str, tuple[int, ...
 
 
 # ---------------------------------------------------------------------------------------
-# The block's element-wise steps on its own arrays. Where the fused kernels take the arrays,
-# these skip the public ops' argument checks (the block made the arrays, so shapes and dtypes
-# agree by construction) and compute exactly what the op computes; otherwise they call it.
+# The block's element-wise steps on its own arrays: the ops of tfcore.ops, called as trusted
+# (the block made the arrays, so shapes and dtypes agree by construction): where a kernel
+# takes them the argument checks are skipped, elsewhere the checked reference runs.
 
 
 def _add(x, fx):
     """x + fx [...]: residual_forward's sum."""
-    if kernels.applies(x, fx, contiguous=False) and x.shape == fx.shape:
-        return _sum(x, fx)
-    return F.residual_forward(x, fx)[0]
-
-
-def _sum(a, b):
-    """a + b: a residual sum, or a skip's gradient plus its branch's, over the kernels'
-    threads where they take the arrays (see kernels.add)."""
-    if kernels.applies(a, b) and a.shape == b.shape:
-        return kernels.add(a, b)
-    return a + b
+    return ops.residual_forward(x, fx, trusted=True)[0]
 
 
 def _split_grad(dy):
     """residual_backward(dy): the sum hands dy to the skip and to the branch alike."""
-    if kernels.applies(dy, contiguous=False):
-        return dy, dy
-    return F.residual_backward(dy)
+    return ops.residual_backward(dy, trusted=True)
 
 
 def _dropout_forward(x, p, rng, training):
-    """dropout_forward(x, p, rng, training); at p == 0 or in evaluation the identity, with
-    the op's cache (no mask), without the checks."""
-    if (p == 0.0 or training is False) and kernels.applies(x, contiguous=False):
-        return x, (None, 1.0, (x.shape, x.dtype, namespace(x)))
-    return F.dropout_forward(x, p, rng, training)
+    """dropout_forward(x, p, rng, training): at p == 0 or in evaluation x itself."""
+    return ops.dropout_forward(x, p, rng, training, trusted=True)
 
 
 def _dropout_backward(dy, cache):
-    """dropout_backward(dy, cache): the identity when the forward drew no mask."""
-    keep, _, (shape, dtype, _) = cache
-    if keep is None and kernels.applies(dy, contiguous=False) and dy.shape == shape \
-            and dy.dtype == dtype:
-        return dy
-    return F.dropout_backward(dy, cache)
+    """dropout_backward(dy, cache): dy itself when the forward drew no mask."""
+    return ops.dropout_backward(dy, cache, trusted=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,39 +213,26 @@ def replayable(rng):
 
 def core_attention_forward(q, k, v, spec, rng=None, training=False):
     """q [B, H, S, D_h], k, v [B, H, S_k, D_h] -> (a [B, H, S, D_h], cache): the dense op
-    (chapter 6) or the tiled one (chapter 15), as spec.attention says."""
+    (chapter 6) or the tiled one (chapter 15), as spec.attention says, through tfcore.ops.
+
+    Without rotary positions or grouped heads, q, k and v are the [B, H, S, D_h] views of the
+    qkv projection [B, S, 3D] (qkv_split): the tiled kernel reads them in place, with their
+    row stride 3D, in the forward and again in the backward (no copy, and each thread's
+    share of the batch is the rows it made in the projection)."""
     if spec.attention == "tiled":
-        return tiled_attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout,
-                                       rng=rng, training=training,
-                                       block_size=spec.attention_block_size)
-    return attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout, rng=rng,
-                             training=training)
+        return ops.tiled_attention_forward(q, k, v, causal=spec.causal,
+                                           dropout_p=spec.dropout, rng=rng, training=training,
+                                           block_size=spec.attention_block_size)
+    return ops.attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout, rng=rng,
+                                 training=training)
 
 
-def _tiled_kernel_forward(qkv, spec):
-    """qkv [B, S, 3D] -> (a [B, H, S, D_h], cache): tiled_attention_forward's kernel call,
-    without dropout, masks, rotary or grouped heads (H_kv = H, so the width is 3D). q, k and v are [B, H, S, D_h] views of qkv, which the
-    kernel reads with their row stride (3D) in the forward and again in the backward: no
-    copy, and each thread's share of the batch is the rows it made in the projection."""
-    batch, seq, width3 = qkv.shape
-    heads = spec.n_heads
-    d_h = width3 // 3 // heads
-    qkv_heads = qkv.reshape(batch, seq, 3, heads, d_h)                  # [B, S, 3, H, D_h]
-    q, k, v = (np.swapaxes(qkv_heads[:, :, i], 1, 2) for i in range(3))  # [B, H, S, D_h]
-    scale = 1.0 / math.sqrt(d_h)
-    causal = bool(spec.causal)
-    out, lse = kernels.tiled_attention_forward(q, k, v, causal, scale)
-    settings = dict(causal=causal, scale=scale, block_size=spec.attention_block_size,
-                    mask=None, key_padding=None, dropout_p=0.0, seed=None)
-    return out, TiledAttentionCache(q, k, v, out, lse, settings)
-
-
-def _tiled_kernel_takes(da, c_att) -> bool:
-    """tiled_attention_backward would hand (da, c_att) to its kernel: no mask, no dropout."""
-    settings = c_att.settings
-    return (settings["mask"] is None and settings["key_padding"] is None
-            and settings["seed"] is None and kernels.applies(da, *c_att[:5], contiguous=False)
-            and da.shape == c_att.out.shape)
+def core_attention_backward(da, cache, spec):
+    """da [B, H, S, D_h] -> dq [B, H, S, D_h], dk, dv [B, H, S_k, D_h]: the backward of
+    core_attention_forward (the cache is the model's own: a trusted call)."""
+    backward = ops.tiled_attention_backward if spec.attention == "tiled" \
+        else ops.attention_backward
+    return backward(da, cache, trusted=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,16 +255,6 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
     qkv, c_qkv = nn.linear_forward(params, prefix + ".qkv", x)          # [B, S, D + 2 H_kv D_h]
     del x
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
-    if (spec.attention == "tiled" and groups == 1 and rope is None and kv is None
-            and not parts.ring
-            and not spec.recompute_attention and (spec.dropout == 0.0 or training is False)
-            and kernels.applies(qkv)):
-        a, c_att = _tiled_kernel_forward(qkv, spec)                     # [B, H, S, D_h]
-        batch, heads, seq, d_h = a.shape                    # merge_heads(a), unchecked:
-        merged = a.transpose(0, 2, 1, 3).reshape(batch, seq, heads * d_h)  # [B, S, D]
-        out, c_proj = parts.row_linear_forward(params, prefix + ".proj", merged)
-        out, c_drop = _dropout_forward(out, spec.dropout, rng, training)  # [B, S, D]
-        return out, AttentionSublayerCache(c_in, c_qkv, None, None, c_att, c_proj, c_drop)
     if groups == 1:
         q, k, v = qkv_split(qkv, spec.n_heads)                          # [B, H, S, D_h] each
     else:
@@ -357,16 +303,8 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEV
         _, c_att = core_attention_forward(q, k, v, spec, replay, training)
     if parts.ring:
         dq, dk, dv = parts.attention_backward(da, c_att, spec)  # dk, dv [B, H_kv, S, D_h]
-    elif spec.attention == "tiled" and _tiled_kernel_takes(da, c_att):
-        q, k, v, out, lse = c_att[:5]       # q, k, v: views of qkv (_tiled_kernel_forward);
-        settings = c_att.settings           # out and da are [B, H, S, D_h] views of [B, S, D]
-        dq, dk, dv = kernels.tiled_attention_backward(da, *kernels.as_rows_apart(q, k, v), out,
-                                                      lse, settings["causal"],
-                                                      settings["scale"])
-        del q, k, v, out, lse
     else:
-        backward = tiled_attention_backward if spec.attention == "tiled" else attention_backward
-        dq, dk, dv = backward(da, c_att)                                # [B, H, S, D_h] each
+        dq, dk, dv = core_attention_backward(da, c_att, spec)          # [B, H, S, D_h] each
     c_att = da = dmerged = None                 # q, k, v, out [B, H, S, D_h]: freed here
     groups = spec.n_heads // (spec.n_kv_heads or spec.n_heads)
     if not parts.ring:
@@ -375,11 +313,8 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEV
         dq = rope_backward(dq, c_rope_q)                                # the inverse rotation
         dk = rope_backward(dk, c_rope_k)
     if groups == 1:                                                     # H_kv = H
-        dqkv = None
-        if kernels.applies(dq, dk, dv, contiguous=False):   # the tiled kernel's three views
-            dqkv = kernels.fused_qkv_grads(dq, dk, dv)      # of one buffer: no copy, no check
-        if dqkv is None:
-            dqkv = qkv_merge_grads(dq, dk, dv)                          # [B, S, 3D]
+        # the kernels' dq, dk, dv are the three views of one buffer: merged without a copy
+        dqkv = ops.qkv_merge_grads(dq, dk, dv, trusted=True)            # [B, S, 3D]
     else:                                                               # [B, S, D + 2 H_kv D_h]
         dqkv = namespace(dq).concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)],
                                     axis=-1)
@@ -403,11 +338,7 @@ def mlp_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False,
         hidden, c_act = swiglu_forward(gate, up)                        # silu(gate) * up [B, S, F]
     elif spec.mlp == "gelu":
         c_gate = None
-        if kernels.applies(up) and spec.gelu_approximate in ("none", "tanh"):
-            hidden, c_act = kernels.gelu_forward(up, spec.gelu_approximate), (
-                up, spec.gelu_approximate)                              # [B, S, F]
-        else:
-            hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)   # [B, S, F]
+        hidden, c_act = ops.gelu_forward(up, spec.gelu_approximate, trusted=True)  # [B, S, F]
     else:
         c_gate = None
         hidden, c_act = F.relu_forward(up)                              # [B, S, F]
@@ -433,11 +364,8 @@ def mlp_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEVICE):
         dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
         return parts.enter_backward(dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc),
                                     c_in)
-    if spec.mlp == "gelu":
-        if kernels.applies(dhidden, c_act[0]) and dhidden.shape == c_act[0].shape:
-            dup = kernels.gelu_backward(dhidden, c_act[0], c_act[1], out=dhidden)
-        else:
-            dup = F.gelu_backward(dhidden, c_act, out=dhidden)          # in place: a temporary
+    if spec.mlp == "gelu":                                  # in place: a temporary
+        dup = ops.gelu_backward(dhidden, c_act, out=dhidden, trusted=True)
     else:
         dup = F.relu_backward(dhidden, c_act)
     del dhidden                                 # [B, S, F]: not needed by the last product
@@ -512,20 +440,20 @@ def block_backward(params, prefix, dy, cache, spec, parts=ONE_DEVICE):
     if spec.placement == "pre":
         dx1, dm = _split_grad(dy)                                     # y = x1 + m
         dh = _ffn_backward(params, prefix, dm, take(caches, 3), spec, parts)
-        dx1 = _sum(dx1, nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2),
+        dx1 = ops.add(dx1, nn.norm_backward(params, prefix + ".ln2", dh, take(caches, 2),
                                          spec.norm))
         del dh
         dx, da = _split_grad(dx1)                                     # x1 = x + a
         dh = attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1), spec,
                                          parts)
-        return _sum(dx, nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0),
+        return ops.add(dx, nn.norm_backward(params, prefix + ".ln1", dh, take(caches, 0),
                                          spec.norm))
     ds2 = nn.norm_backward(params, prefix + ".ln2", dy, take(caches, 2), spec.norm)  # norm2(s2)
     dx1, dm = _split_grad(ds2)                                        # s2 = x1 + m
-    dx1 = _sum(dx1, _ffn_backward(params, prefix, dm, take(caches, 3), spec, parts))
+    dx1 = ops.add(dx1, _ffn_backward(params, prefix, dm, take(caches, 3), spec, parts))
     ds1 = nn.norm_backward(params, prefix + ".ln1", dx1, take(caches, 0), spec.norm)  # norm1(s1)
     dx, da = _split_grad(ds1)                                         # s1 = x + a
-    return _sum(dx, attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1),
+    return ops.add(dx, attention_sublayer_backward(params, prefix + ".attn", da, take(caches, 1),
                                                 spec, parts))
 
 

@@ -21,17 +21,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .. import checks
-from .. import functional as F
-from .. import nn
+from .. import nn, ops
 from ..backend import FLOAT_DTYPES, namespace
-from ..functional.attention import (
-    attention_backward,
-    attention_forward,
-    merge_heads,
-    qkv_merge_grads,
-    qkv_split,
-    split_heads,
-)
+from ..functional.attention import merge_heads, qkv_split, split_heads
 from .common import check_float_settings, check_labels, standardize
 
 
@@ -123,13 +115,13 @@ class EncoderClassifier:
         qkv, c_qkv = nn.linear_forward(p, "attn.qkv", hpre2)                # [B, n+1, 3 d2]
         q, k, v = qkv_split(qkv, cfg.n_heads)                               # [B, H, n+1, d2/H]
         skip, c_skip = nn.linear_forward(p, "attn.skip", hpre2)             # T [B, n+1, d2]
-        a, c_att = attention_forward(q, k, v)                               # S V [B, H, n+1, d2/H]
+        a, c_att = ops.attention_forward(q, k, v)                           # S V [B, H, n+1, d2/H]
         h2_cls = merge_heads(a)[:, 0, :] + skip[:, 0, :]                    # h2 row 0 [B, d2]
         logits, c_head = nn.linear_forward(p, "head", h2_cls)               # [B, k]
         loss = c_loss = None
         if labels is not None:
             check_labels(labels, batch, cfg.n_classes)
-            loss, c_loss = F.cross_entropy_forward(logits, labels)
+            loss, c_loss = ops.cross_entropy_forward(logits, labels)
         self._cache = (c_proj, c_qkv, c_skip, c_att, c_head, c_loss, tuple(logits.shape),
                        tuple(skip.shape))
         return logits, loss
@@ -144,7 +136,7 @@ class EncoderClassifier:
         if dlogits is None:
             if c_loss is None:
                 raise RuntimeError("backward() without dlogits needs a forward with labels")
-            dlogits = F.cross_entropy_backward(1.0, c_loss)                 # [B, k] = (s - y) / B
+            dlogits = ops.cross_entropy_backward(1.0, c_loss, trusted=True)  # (s - y) / B
         else:
             checks.array("dlogits", dlogits)
             checks.shape("dlogits", dlogits, logits_shape)
@@ -155,8 +147,8 @@ class EncoderClassifier:
         dh2 = xp.zeros(h2_shape, dtype=dh2_cls.dtype)                       # [B, n+1, d2]
         dh2[:, 0, :] = dh2_cls
         dhpre2 = nn.linear_backward(p, "attn.skip", dh2, c_skip)            # through T = hpre2 W_T
-        dq, dk, dv = attention_backward(split_heads(dh2, cfg.n_heads), c_att)
-        dqkv = qkv_merge_grads(dq, dk, dv)                                  # [B, n+1, 3 d2]
+        dq, dk, dv = ops.attention_backward(split_heads(dh2, cfg.n_heads), c_att, trusted=True)
+        dqkv = ops.qkv_merge_grads(dq, dk, dv, trusted=True)                # [B, n+1, 3 d2]
         dhpre2 = dhpre2 + nn.linear_backward(p, "attn.qkv", dqkv, c_qkv)   # [B, n+1, d1]
         nn.accumulate(p, "cls", xp.sum(dhpre2[:, 0, :], axis=0))            # the CLS row, summed
         dh1 = dhpre2[:, 1:, :]                                              # [B, n, d1]

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import checks
 from .. import functional as F
-from .. import nn
+from .. import nn, ops
 from ..backend import FLOAT_DTYPES, namespace
 from .common import check_float_settings, check_labels, standardize
 
@@ -84,15 +84,16 @@ class MLPClassifier:
         batch = x.shape[0]
         xp = namespace(x)
         xs = standardize(x, cfg.eps)                                       # [B, n, m]
-        a1, c_fc1 = F.linear_forward(xs, p["fc1.W"])                      # [B, n, d]
+        a1, c_fc1 = ops.linear_forward(xs, p["fc1.W"], trusted=True)      # [B, n, d]
         a1 += p["fc1.b"]                                                   # b1 [n, d]
         h1, c_relu = F.relu_forward(a1)                                    # [B, n, d]
         flat = xp.reshape(h1, (batch, cfg.seq_len * cfg.d_hidden))         # [B, n d] (a view)
-        logits, c_fc2 = F.linear_forward(flat, p["fc2.W"], p["fc2.b"])    # [B, k]
+        logits, c_fc2 = ops.linear_forward(flat, p["fc2.W"], p["fc2.b"],  # [B, k]
+                                           trusted=True)
         loss = c_loss = None
         if labels is not None:
             check_labels(labels, batch, cfg.n_classes)
-            loss, c_loss = F.cross_entropy_forward(logits, labels)
+            loss, c_loss = ops.cross_entropy_forward(logits, labels)
         self._cache = (c_fc1, c_relu, c_fc2, c_loss, tuple(logits.shape), tuple(h1.shape))
         return logits, loss
 
@@ -106,7 +107,7 @@ class MLPClassifier:
         if dlogits is None:
             if c_loss is None:
                 raise RuntimeError("backward() without dlogits needs a forward with labels")
-            dlogits = F.cross_entropy_backward(1.0, c_loss)                # [B, k] = (s - y) / B
+            dlogits = ops.cross_entropy_backward(1.0, c_loss, trusted=True)  # (s - y) / B
         else:
             checks.array("dlogits", dlogits)
             checks.shape("dlogits", dlogits, logits_shape)
@@ -115,5 +116,5 @@ class MLPClassifier:
         dh1 = namespace(dflat).reshape(dflat, h1_shape)                    # [B, n, d]
         da1 = F.relu_backward(dh1, c_relu)                                 # [B, n, d]
         nn.accumulate(p, "fc1.b", namespace(da1).sum(da1, axis=0))         # [n, d]
-        _, dW1, _ = F.linear_backward(da1, c_fc1)     # dW1 [m, d]; the inputs' dx is unused
+        _, dW1, _ = ops.linear_backward(da1, c_fc1, trusted=True)   # dW1 [m, d]; dx unused
         nn.accumulate(p, "fc1.W", dW1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .. import functional as F
-from .. import nn
+from .. import nn, ops
 from ..backend import namespace
 from ..functional import moe as M
 
@@ -110,7 +110,7 @@ def _shared_forward(params, prefix, rows, spec):
         gate, c_gate = nn.linear_forward(params, prefix + ".gate", rows)
         hidden, c_act = F.swiglu_forward(gate, up)
     elif spec.mlp == "gelu":
-        hidden, c_act = F.gelu_forward(up, spec.gelu_approximate)
+        hidden, c_act = ops.gelu_forward(up, spec.gelu_approximate, trusted=True)
     else:
         hidden, c_act = F.relu_forward(up)
     out, c_proj = nn.linear_forward(params, prefix + ".proj", hidden)    # [T, D]
@@ -124,7 +124,7 @@ def _shared_backward(params, prefix, dout, cache, spec):
         dgate, dup = F.swiglu_backward(dhidden, c_act)
         dx = nn.linear_backward(params, prefix + ".gate", dgate, c_gate)
         return dx + nn.linear_backward(params, prefix + ".fc", dup, c_fc)
-    dup = (F.gelu_backward(dhidden, c_act) if spec.mlp == "gelu"
+    dup = (ops.gelu_backward(dhidden, c_act, trusted=True) if spec.mlp == "gelu"
            else F.relu_backward(dhidden, c_act))
     return nn.linear_backward(params, prefix + ".fc", dup, c_fc)
 
@@ -171,7 +171,8 @@ def moe_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
         zl, c_z = M.router_z_loss_forward(z, moe.z_loss_coef)
         aux = aux + zl
     out = xp.reshape(y, (batch, seq, width))
-    out, c_drop = F.dropout_forward(out, spec.dropout, rng, training)   # [B, S, D]
+    out, c_drop = ops.dropout_forward(out, spec.dropout, rng, training,  # [B, S, D]
+                                      trusted=True)
     return out, MoECache(c_lin, c_router, c_dispatch, c_experts, c_combine, c_shared,
                          c_balance, c_z, c_drop, (batch, seq, width), aux, plan,
                          routed.experts)
@@ -184,7 +185,7 @@ def moe_sublayer_backward(params, prefix, dout, cache: MoECache, spec):
     moe = spec.moe
     c = cache
     xp = namespace(dout)
-    dout = F.dropout_backward(dout, c.c_drop)
+    dout = ops.dropout_backward(dout, c.c_drop, trusted=True)
     batch, seq, width = c.x_shape
     dy = xp.reshape(dout, (batch * seq, width))                         # [T, D]
     dx = None

@@ -23,13 +23,14 @@ happens, they call a *part* instead of an op, and a parallel layout hands them o
                                                                  computed from its share
 
 A part's forward returns (out, cache) and its backward takes (dout, cache), as every op pair.
-The one-device parts are the ops the book proves, called exactly as the model called them
-before it had seams, so a one-device run is unchanged bit for bit.
+The one-device parts are the ops the book proves, through tfcore.ops (a kernel where one
+takes the arrays, with the same result), called exactly as the model called them before it
+had seams, so a one-device run is unchanged bit for bit.
 """
 from __future__ import annotations
 
 from .. import functional as F
-from .. import nn
+from .. import nn, ops
 from ..backend import namespace
 
 IGNORE_INDEX = -100
@@ -109,7 +110,7 @@ class OneDevice:
         return F.embedding_forward(ids, params["wte"])
 
     def embed_backward(self, params, dx, cache):
-        nn.accumulate(params, "wte", F.embedding_backward(dx, cache))
+        nn.accumulate(params, "wte", ops.embedding_backward(dx, cache, trusted=True))
 
     # -- the boundaries of a column-parallel then row-parallel pair ----------------------------
     def enter_forward(self, x):
@@ -127,18 +128,18 @@ class OneDevice:
     # -- head and loss ---------------------------------------------------------------------
     def head_forward(self, x, W, b):
         """x [B, S, D] -> logits [B, S, V]."""
-        return F.linear_forward(x, W, b)
+        return ops.linear_forward(x, W, b, trusted=True)
 
     def head_backward(self, dlogits, cache):
         """-> dx, dW [D, V], db."""
-        return F.linear_backward(dlogits, cache)
+        return ops.linear_backward(dlogits, cache, trusted=True)
 
     def loss_forward(self, logits, targets):
         """The mean cross-entropy over the counted targets (-100 skips one)."""
-        return F.cross_entropy_forward(logits, targets, IGNORE_INDEX)
+        return ops.cross_entropy_forward(logits, targets, IGNORE_INDEX)
 
     def loss_backward(self, dloss, cache, overwrite=False):
-        return F.cross_entropy_backward(dloss, cache, overwrite=overwrite)
+        return ops.cross_entropy_backward(dloss, cache, overwrite=overwrite)
 
     def loss_count(self, cache) -> float:
         """The targets the loss counted (on this rank)."""

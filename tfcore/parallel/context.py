@@ -40,9 +40,8 @@ import math
 
 import numpy as np
 
-from .. import backend, checks
+from .. import backend, checks, ops
 from ..backend import namespace
-from ..functional.tiled_attention import tiled_attention_backward, tiled_attention_forward
 from ..models.blocks import repeat_kv_heads, sum_kv_groups
 from ..models.decoder import DecoderConfig
 from .comm import chunk_bounds
@@ -246,7 +245,7 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
                 pairs.append((qc, kc, kind, q1 - q0, k1 - k0))
                 if kind == SKIP:
                     continue
-                o, cache = tiled_attention_forward(
+                o, cache = ops.tiled_attention_forward(
                     q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
                     repeat_kv_heads(held_v[:, :, k0:k1, :], groups),
                     causal=kind == DIAGONAL, block_size=block_size, scale=scale)
@@ -297,7 +296,8 @@ def ring_attention_backward(dout, cache):
                 sub = (q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
                        repeat_kv_heads(held_v[:, :, k0:k1, :], groups), out_i, lse_i,
                        settings[(qc, kc)])
-                g_q, g_k, g_v = tiled_attention_backward(dout[:, :, q0:q1, :], sub)
+                g_q, g_k, g_v = ops.tiled_attention_backward(dout[:, :, q0:q1, :], sub,
+                                                             trusted=True)
                 dq[:, :, q0:q1, :] += g_q
                 dk_blk[:, :, k0:k1, :] += sum_kv_groups(g_k, groups)     # [B, H_kv, .]
                 dv_blk[:, :, k0:k1, :] += sum_kv_groups(g_v, groups)

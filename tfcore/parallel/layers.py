@@ -10,7 +10,7 @@ sequence). Column then row (the MLP, attention) needs one reduction per directio
 """
 from __future__ import annotations
 
-from .. import backend, checks
+from .. import backend, checks, ops
 from .. import functional as F
 from ..backend import namespace
 from ..functional._common import _flat_rows
@@ -46,21 +46,21 @@ def column_parallel_linear_forward(x, W, b, comm, sequence_parallel=False):
     """y_r = enter(x) W_r + b_r.  x [B, S, D_in] (or [B, S/N, D_in] with sequence
     parallelism), W_r [D_in, D_out/N], b_r [D_out/N]  ->  y_r [B, S, D_out/N]"""
     xf, c_in = _enter(x, comm, sequence_parallel)
-    y, c_lin = F.linear_forward(xf, W, b)
+    y, c_lin = ops.linear_forward(xf, W, b)
     return y, (c_in, c_lin, sequence_parallel)
 
 
 def column_parallel_linear_backward(dy, cache):
     """-> dx (summed over ranks by enter's adjoint), dW_r, db_r (local, no communication)."""
     c_in, c_lin, sp = cache
-    dxf, dW, db = F.linear_backward(dy, c_lin)
+    dxf, dW, db = ops.linear_backward(dy, c_lin)
     return _enter_backward(dxf, c_in, sp), dW, db
 
 
 def row_parallel_linear_forward(x, W, b, comm, sequence_parallel=False):
     """y = exit(x_r W_r) + b.  x_r [B, S, D_in/N], W_r [D_in/N, D_out], b [D_out] replicated
     (added once, after the reduction)  ->  y [B, S, D_out] (or [B, S/N, D_out])"""
-    part, c_lin = F.linear_forward(x, W)
+    part, c_lin = ops.linear_forward(x, W)
     y, c_out = _exit(part, comm, sequence_parallel)
     if b is not None:
         y = y + b
@@ -73,7 +73,7 @@ def row_parallel_linear_backward(dy, cache):
     c_lin, c_out, has_bias, sp = cache
     db = namespace(dy).sum(_flat_rows(dy, dy.shape[-1]), axis=0) if has_bias else None
     dpart = _exit_backward(dy, c_out, sp)
-    dx, dW, _ = F.linear_backward(dpart, c_lin)
+    dx, dW, _ = ops.linear_backward(dpart, c_lin)
     return dx, dW, db
 
 
@@ -107,7 +107,7 @@ def vocab_parallel_embedding_backward(dx, cache):
     c_emb, mine, c_out, sp = cache
     dpart = _exit_backward(dx, c_out, sp)                               # [B, S, D]
     dpart = dpart * namespace(dpart).astype(mine, dpart.dtype)[..., None]
-    return F.embedding_backward(dpart, c_emb)                           # [V_r, D]
+    return ops.embedding_backward(dpart, c_emb)                         # [V_r, D]
 
 
 def vocab_parallel_cross_entropy_forward(logits, targets, vocab_start, comm, dp_comm=None,
