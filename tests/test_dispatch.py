@@ -1,8 +1,7 @@
 """The one dispatch seat, tfcore.ops, and the import graph around it.
 
-* tfcore.functional imports no kernels, but for the lines marked as transitional (the ops the
-  models still reach through tfcore.functional): they are counted and named here, so a new
-  one fails this test and a removed one must be taken off the list;
+* tfcore.functional (the reference) and tfcore.models import no kernels and name none, at
+  any level: the models reach a kernel through tfcore.ops only;
 * tfcore.kernels imports nothing of tfcore.functional at module level, and tfcore.ops never
   imports tfcore.kernels at module level: no import circle through them;
 * for every registered op, tfcore.ops calls the kernel where its predicate holds and the
@@ -24,32 +23,8 @@ from tfcore import backend, kernels, ops, optim
 from tfcore import functional as F
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tfcore"
-MARK = "# dispatch: moves to ops (models)"
-
-# The lines of tfcore.functional that still reach the kernels themselves, because a model or
-# a parallel part calls these ops there (they move to tfcore.ops with the models): the number
-# of marked lines in each function ("import": the module's import of tfcore.kernels).
-TRANSITIONAL = {
-    "activations.import": 1,
-    "activations.gelu_forward": 3,
-    "activations.gelu_backward": 2,
-    "attention.import": 1,
-    "attention.attention_forward": 4,
-    "attention.attention_backward": 2,
-    "attention.qkv_merge_grads": 3,
-    "embedding.import": 1,
-    "embedding.embedding_backward": 2,
-    "linear.import": 1,
-    "linear.linear_forward": 3,
-    "linear.linear_backward": 2,
-    "softmax.import": 1,
-    "softmax.cross_entropy_forward": 4,
-    "softmax.cross_entropy_backward": 3,
-    "tiled_attention.import": 1,
-    "tiled_attention.tiled_attention_forward": 4,
-    "tiled_attention.tiled_attention_backward": 5,
-    "tiled_attention._kernel_applies": 3,
-}
+# the mark the last lines of functional that called a kernel carried (gone with them)
+MARK = "# dispatch: moves to ops"
 
 
 def _modules(folder):
@@ -83,44 +58,51 @@ def _imports_kernels(module, names):
     return module in ("..", "tfcore") and "kernels" in names
 
 
-def _function_at(tree, line):
-    """The name of the innermost function holding `line`, or None at module level."""
-    name = None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-                and node.lineno <= line <= node.end_lineno:
-            if name is None or node.lineno >= name[0]:
-                name = (node.lineno, node.name)
-    return None if name is None else name[1]
+def _lines_reaching_kernels(path):
+    """The lines of a module that import tfcore.kernels (at any level, in a function too)
+    or name `kernels`: 'file:line: text'."""
+    text = path.read_text()
+    lines, reaching = text.splitlines(), set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if _imports_kernels(module, tuple(a.name for a in node.names)):
+                reaching.add(node.lineno)
+        elif isinstance(node, ast.Import):
+            if any(_imports_kernels(a.name, ()) for a in node.names):
+                reaching.add(node.lineno)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and "kernels" in (
+                getattr(node, "id", None), getattr(node, "attr", None)):
+            reaching.add(node.lineno)
+    return [f"{path.name}:{n}: {lines[n - 1].strip()}" for n in sorted(reaching)]
 
 
 # -- the import graph ---------------------------------------------------------------------
 
-def test_functional_imports_no_kernels_but_the_marked_transitional_lines():
-    marked, unmarked = {}, []
-    for path in _modules("functional"):
-        text = path.read_text()
-        lines, tree = text.splitlines(), ast.parse(text)
-        reaching = set()                          # lines that import or name the kernels
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                module = "." * node.level + (node.module or "")
-                if _imports_kernels(module, tuple(a.name for a in node.names)):
-                    reaching.add(node.lineno)
-            elif isinstance(node, ast.Import):
-                if any(_imports_kernels(a.name, ()) for a in node.names):
-                    reaching.add(node.lineno)
-            elif isinstance(node, ast.Name) and node.id == "kernels":
-                reaching.add(node.lineno)
-        unmarked += [f"{path.name}:{n}: {lines[n - 1].strip()}" for n in sorted(reaching)
-                     if MARK not in lines[n - 1]]
-        for number, line in enumerate(lines, 1):
-            if MARK in line:
-                key = f"{path.stem}.{_function_at(tree, number) or 'import'}"
-                marked[key] = marked.get(key, 0) + 1
-    assert not unmarked, ("tfcore.functional reaches tfcore.kernels outside the marked "
-                          "transitional lines:\n" + "\n".join(unmarked))
-    assert marked == TRANSITIONAL, marked        # 46 lines: 6 imports, 13 functions
+@pytest.mark.parametrize("folder", ["functional", "models"])
+def test_the_reference_and_the_models_reach_no_kernel_but_through_ops(folder):
+    """functional is the reference only, and a model reaches a kernel through tfcore.ops:
+    no module of either imports or names tfcore.kernels, and no line keeps the mark of
+    the transitional dispatch."""
+    modules = _modules(folder)
+    assert modules, folder
+    reaching = [line for path in modules for line in _lines_reaching_kernels(path)]
+    assert reaching == [], f"tfcore.{folder} reaches tfcore.kernels:\n" + "\n".join(reaching)
+    marked = [f"{path.name}:{n}" for path in modules
+              for n, line in enumerate(path.read_text().splitlines(), 1) if MARK in line]
+    assert marked == [], marked
+
+
+def test_the_kernel_check_sees_every_way_of_reaching_the_kernels(tmp_path):
+    """The check above fails on each form a module could use."""
+    for line in ("from .. import kernels", "from ..kernels import add", "import tfcore.kernels",
+                 "from tfcore import kernels", "def f():\n    from .. import kernels",
+                 "x = tfcore.kernels.add"):
+        path = tmp_path / "mod.py"
+        path.write_text(line + "\n")
+        assert _lines_reaching_kernels(path), line
+    path.write_text("from .. import ops\ny = ops.add\n")
+    assert _lines_reaching_kernels(path) == []
 
 
 def test_kernels_import_nothing_of_functional_at_module_level():

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 from .. import backend, checks
-from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import namespace
 from ._caches import GeluCache, ReluCache, SiluCache, Spec, SwigluCache
 
@@ -77,9 +76,6 @@ def gelu_forward(x, approximate: str = "none"):
     x [...]  ->  y [...]; the cache is x itself (not a copy) and the form.
     """
     _check_gelu_forward(x, approximate)
-    if kernels.applies(x):  # dispatch: moves to ops (models)
-        y = kernels.gelu_forward(x, approximate)  # dispatch: moves to ops (models)
-        return y, GeluCache(x, approximate)  # dispatch: moves to ops (models)
     if approximate == "none":
         y = _normal_cdf(x)                  # Phi(x)
         y *= x
@@ -102,8 +98,6 @@ def gelu_backward(dy, cache, out=None):
     caller has no further use for it) dx is written into out and out is returned.
     """
     x, approximate = _check_gelu_backward(dy, cache, out)
-    if kernels.applies(dy, x, out):  # dispatch: moves to ops (models)
-        return kernels.gelu_backward(dy, x, approximate, out)  # dispatch: moves to ops (models)
     xp = namespace(dy, x)
     if approximate == "none":
         with backend.expected_overflow():   # x^2 = inf for huge |x|: exp(-inf) = 0, as it should

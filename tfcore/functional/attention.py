@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 from .. import checks
-from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import matmul, namespace
 from ._caches import AttentionCache, Spec
 from .regularization import dropout_backward, dropout_forward
@@ -122,10 +121,6 @@ def attention_forward(
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]
     dtype = q.dtype
-    if (mask is None and key_padding is None and s_q <= s_k  # dispatch: moves to ops (models)
-            and kernels.applies(q, k, v, contiguous=False)):  # dispatch: moves to ops (models)
-        out, c = kernels.attention_forward(q, k, v, causal, scale, dropout_p, rng, training)  # dispatch: moves to ops (models)
-        return out, AttentionCache(*c)  # dispatch: moves to ops (models)
 
     z = matmul(q, xp.matrix_transpose(k), "attention")              # [B, H, S_q, S_k]
     z *= scale
@@ -163,8 +158,6 @@ def attention_backward(dout, cache):
     dout [B, H, S_q, D_v]  ->  dq [B, H, S_q, D_h], dk [B, H, S_k, D_h], dv [B, H, S_k, D_v]
     """
     q, k, v, A, drop, scale, xp = _check_attention_backward(dout, cache)
-    if kernels.applies(dout, q, k, v, A, contiguous=False) and A.flags.c_contiguous:  # dispatch: moves to ops (models)
-        return kernels.attention_backward(dout, cache)  # dispatch: moves to ops (models)
     A_dropped = dropout_backward(A, drop)                           # [B, H, S_q, S_k]
     dv = matmul(xp.matrix_transpose(A_dropped), dout, "attention")  # [B, H, S_k, D_v]
     del A_dropped
@@ -242,9 +235,6 @@ def qkv_merge_grads(dq, dk, dv):
     """
     _check_qkv_merge_grads(dq, dk, dv)
     batch, heads, seq, d_h = dq.shape
-    if kernels.applies(dq, dk, dv, contiguous=False) and (  # dispatch: moves to ops (models)
-            fused := kernels.fused_qkv_grads(dq, dk, dv)) is not None:  # dispatch: moves to ops (models)
-        return fused  # dispatch: moves to ops (models)
     xp = namespace(dq, dk, dv)
     dqkv = xp.empty((batch, seq, 3, heads, d_h), dtype=dq.dtype)
     for index, grad in enumerate((dq, dk, dv)):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from .. import backend, checks
-from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import namespace
 from ._caches import EmbeddingCache, PositionalCache
 from ._common import _flat_rows
@@ -33,8 +32,6 @@ def embedding_backward(dx, cache):
     dx [..., D]  ->  dW [V, D]   (integer ids have no gradient)
     """
     flat_ids, w_shape = _check_embedding_backward(dx, cache)
-    if kernels.applies(dx):  # dispatch: moves to ops (models)
-        return kernels.embedding_backward(dx, flat_ids, w_shape)  # dispatch: moves to ops (models)
     xp = namespace(dx)
     dW = xp.zeros(w_shape, dtype=dx.dtype)
     return backend.scatter_add(dW, flat_ids, _flat_rows(dx, w_shape[1]))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from .. import checks
-from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import matmul, namespace
 from ._caches import LinearCache
 from ._common import _flat_rows
@@ -17,9 +16,6 @@ def linear_forward(x, W, b=None):
     """
     xp = _check_linear_forward(x, W, b)
     d_in, d_out = W.shape
-    if kernels.applies(x, W, b, contiguous=False):  # dispatch: moves to ops (models)
-        y = kernels.linear_forward(x, W, b)  # dispatch: moves to ops (models)
-        return y, LinearCache(x, W, b is not None)  # dispatch: moves to ops (models)
     y = matmul(_flat_rows(x, d_in), W, "linear")                      # one GEMM [N, D_in] @ [D_in, D_out]
     y = xp.reshape(y, tuple(x.shape[:-1]) + (d_out,))
     if b is not None:
@@ -34,8 +30,6 @@ def linear_backward(dy, cache):
     """
     x, W, has_bias = _check_linear_backward(dy, cache)
     d_in, d_out = W.shape
-    if kernels.applies(dy, x, W, contiguous=False):  # dispatch: moves to ops (models)
-        return kernels.linear_backward(dy, x, W, has_bias)  # dispatch: moves to ops (models)
     xp = namespace(dy, W)
     dy_rows = _flat_rows(dy, d_out)                                    # [N, D_out]
     dx = xp.reshape(matmul(dy_rows, W.T, "linear"), tuple(x.shape))    # [N, D_in] -> [..., D_in]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 from .. import backend, checks
-from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import namespace
 from ._caches import CrossEntropyCache
 from ._common import _flat_rows
@@ -104,10 +103,6 @@ def cross_entropy_forward(logits, labels, ignore_index: int = -100):
     (an empty batch likewise). V must be at least 1; ignore_index is an integer.
     """
     xp, z, safe, valid, n_valid, m = _check_cross_entropy_forward(logits, labels, ignore_index)
-    if kernels.applies(z):  # dispatch: moves to ops (models)
-        probs, total = kernels.cross_entropy_forward(z, safe, valid)  # dispatch: moves to ops (models)
-        loss = z.dtype.type(total / max(n_valid, 1))  # dispatch: moves to ops (models)
-        return loss, CrossEntropyCache(probs, safe, valid, n_valid, tuple(logits.shape))  # dispatch: moves to ops (models)
     shifted = z - m                                                     # [N, V]
     probs = xp.exp(shifted)
     sum_exp = xp.sum(probs, axis=-1)                                    # [N]
@@ -122,14 +117,12 @@ def cross_entropy_backward(dloss, cache, overwrite: bool = False):
     """dlogits = dloss * (softmax(logits) - onehot(labels)) / N_valid on kept rows, 0 on ignored rows.
 
     dloss a scalar (1.0 when the loss is the final output)  ->  dlogits [..., V]
-    overwrite=True lets the fused kernel write dlogits over the cache's probabilities (one
-    [N, V] array fewer at the start of a model's backward); the cache is then spent.
+    overwrite=True lets the fused kernel (tfcore.ops.cross_entropy_backward) write dlogits
+    over the cache's probabilities (one [N, V] array fewer at the start of a model's
+    backward); the cache is then spent. The reference here always makes a new array.
     """
     probs, safe, valid, n_valid, shape = cache
     dloss = _check_cross_entropy_backward(dloss, overwrite)
-    if kernels.applies(probs):  # dispatch: moves to ops (models)
-        out = probs if overwrite else None  # dispatch: moves to ops (models)
-        return kernels.cross_entropy_backward(dloss, cache, out)  # dispatch: moves to ops (models)
     xp = namespace(probs)
     n_rows, vocab = probs.shape
     weight = xp.astype(valid, probs.dtype) * (dloss / max(n_valid, 1))          # [N]

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .. import backend, checks
-from .. import kernels  # dispatch: moves to ops (models)
 from ..backend import matmul
 from ._caches import TiledAttentionCache
 from .attention import (_check_causal_lengths, _check_every_query_keeps_a_key, _check_settings,
@@ -115,10 +112,6 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     xp, settings = _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p,
                                                   rng, training, block_size, scale)
     causal, seed = settings["causal"], settings["seed"]
-    if _kernel_applies(q, k, v, settings):  # dispatch: moves to ops (models)
-        qkv = kernels.as_rows_apart(q, k, v)  # dispatch: moves to ops (models)
-        out, lse = kernels.tiled_attention_forward(*qkv, causal, settings["scale"])  # dispatch: moves to ops (models)
-        return out, TiledAttentionCache(q, k, v, out, lse, settings)  # dispatch: moves to ops (models)
     batch, heads, s_q, _ = q.shape
     s_k, d_v = k.shape[2], v.shape[3]
     dtype = q.dtype
@@ -180,11 +173,6 @@ def _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p
     return xp, settings
 
 
-def _kernel_applies(q, k, v, settings) -> bool:  # dispatch: moves to ops (models)
-    """The fused kernel takes NumPy float arrays with no mask but the causal one, no dropout."""
-    return (settings["mask"] is None and settings["key_padding"] is None  # dispatch: moves to ops (models)
-            and settings["seed"] is None and kernels.applies(q, k, v, contiguous=False))  # dispatch: moves to ops (models)
-
 
 def causal_tile(xp, s_q: int, s_k: int, rows: tuple, cols: tuple, dtype):
     """The causal table of one tile: [i1 - i0, j1 - j0] additive, -inf where query i of
@@ -229,11 +217,6 @@ def tiled_attention_backward(dout, cache):
     dout [B, H, S_q, D_v]  ->  dq [B, H, S_q, D_h], dk [B, H, S_k, D_h], dv [B, H, S_k, D_v]
     """
     q, k, v, out, lse, settings = _check_tiled_attention_backward(dout, cache)
-    if _kernel_applies(q, k, v, settings) and kernels.applies(dout, contiguous=False):  # dispatch: moves to ops (models)
-        q, k, v, dout, out = kernels.as_rows_apart(q, k, v, dout, out)  # dispatch: moves to ops (models)
-        lse = np.ascontiguousarray(lse)  # dispatch: moves to ops (models)
-        return kernels.tiled_attention_backward(dout, q, k, v, out, lse, settings["causal"],  # dispatch: moves to ops (models)
-                                                settings["scale"])  # dispatch: moves to ops (models)
     xp = backend.namespace(q, k, v, dout)
     batch, heads, s_q, d_h = q.shape
     s_k = k.shape[2]

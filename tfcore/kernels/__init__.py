@@ -25,8 +25,9 @@ MIN_ELEMENTS_PER_THREAD of work; below that it runs on the calling thread, with 
 at all. The thread count is Numba's (``numba.set_num_threads``, NUMBA_NUM_THREADS).
 
 The array-API functions of ``tfcore.functional`` are the reference: the book proves them, and
-the tests compare every kernel here with them. A reference op hands its work to a kernel only
-when ``applies(...)`` says so:
+the tests compare every kernel here with them. They never call a kernel: ``tfcore.ops`` does,
+for the kernels registered below, only where the kernel's predicate (``applies(...)`` and what
+the kernel reads) says so:
 
 * kernels are enabled: ``TFCORE_KERNELS`` is not ``0`` in the environment, and neither
   ``set_enabled(False)`` nor ``with kernels.disabled():`` switched them off;
