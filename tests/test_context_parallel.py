@@ -221,9 +221,9 @@ def test_bad_input_is_refused():
         SimulatedGroup(2).run(wrong_upstream)
     config = CONFIGS["tiny"]()
     config.dropout = 0.1
-    with pytest.raises(ValueError, match="context parallelism with dropout .cp=1, "
-                                         "dropout=0.1.: ring attention draws no dropout "
-                                         "mask"):
+    with pytest.raises(ValueError, match="context parallelism with dropout on dense "
+                                         "attention .cp=1, dropout=0.1, "
+                                         "attention='dense'.: ring attention is the tiled"):
         SimulatedGroup(1).run(lambda comm: ContextParallelDecoder(config, comm))
     config = CONFIGS["tiny"]()
     config.recompute = "selective"

@@ -49,6 +49,8 @@ FEATURES = {
     "untied, no bias, post-norm": DecoderConfig(**BASE, tied_head=False, bias=False,
                                                 norm_placement="post"),
     "dropout": DecoderConfig(**BASE, dropout=0.1),
+    "tiled, dropout": DecoderConfig(**BASE, attention="tiled", attention_block_size=3,
+                                    dropout=0.1),
 }
 
 CASES = [(lname, fname) for lname, layout in LAYOUTS.items()

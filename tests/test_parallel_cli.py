@@ -72,8 +72,9 @@ def _forbid_training(monkeypatch):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1: context parallelism with "
-                                        "dropout (cp=2, dropout=0.1)"),
+    (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1 --config tiny: context "
+                                        "parallelism with dropout on dense attention (cp=2, "
+                                        "dropout=0.1, attention='dense')"),
     (["--pp", "2", "--zero", "2"], "--pp 2 --zero 2: ZeRO-2/3 with pipeline parallelism "
                                    "(pp=2, zero=2): a stage keeps its parameters and "
                                    "gradients for all its micro-batches; use ZeRO 0 or 1"),

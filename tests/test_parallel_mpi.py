@@ -120,8 +120,8 @@ def test_mpi_reports_a_wrong_layout():
     (["--batch", "0"], "--batch must be a positive integer"),
     (["--batch", "3"], "--batch 3 must be divisible by the data-parallel degree dp=2"),
     (["--tp", "two"], "argument --tp: invalid int value"),
-    (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1: context parallelism with "
-                                        "dropout (cp=2, dropout=0.1): ring attention"),
+    (["--cp", "2", "--dropout", "0.1"], "--cp 2 --dropout 0.1 --config tiny: context "
+                                        "parallelism with dropout on dense attention"),
     (["--pp", "2", "--zero", "3"], "--pp 2 --zero 3: ZeRO-2/3 with pipeline parallelism "
                                    "(pp=2, zero=3)"),
     (["--cp", "4"], "--cp 4 needs 4 ranks, but the world has 2"),

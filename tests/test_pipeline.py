@@ -112,8 +112,6 @@ def test_a_record_that_waits_for_nothing_that_finishes_is_refused():
                                                 r"\(pp=2, virtual=2, schedule='1f1b'\)"),
     (dict(world=2, pp=2, schedule="zigzag"), "schedule must be one of"),
     (dict(world=2, pp=2, m=0), "n_microbatches must be a positive integer, got 0"),
-    (dict(world=2, pp=2, dropout=0.1, attention="tiled"),
-     r"tiled attention with dropout across ranks \(attention='tiled', dropout=0.1"),
     (dict(world=4, pp=2, tp=2, heads=3), r"n_heads \(3\) must be divisible"),
 ])
 def test_bad_layouts_are_refused_before_any_work(kwargs, match):

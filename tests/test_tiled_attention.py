@@ -321,3 +321,28 @@ def test_decoder_size_table_with_tiled_attention(rng, dropout):
     B, H, S = 2, 2, 6
     saved = (B * H * S * S - B * H * S) * 8 + (B * H * S * S if dropout else 0)
     assert sizes["dense"] - sizes["tiled"] == saved
+
+
+def test_a_block_with_a_dropout_index_draws_the_whole_attentions_mask():
+    """dropout_index: the attention of some rows and heads (a rank's block) draws its block
+    of the whole attention's mask, so its output is the whole output's block, bit for bit."""
+    import numpy as np
+
+    from tfcore import backend
+    from tfcore.functional.tiled_attention import tiled_attention_forward
+
+    rng = np.random.default_rng(0)
+    q, k, v = (backend.asarray(rng.standard_normal((3, 4, 6, 5))) for _ in range(3))
+    whole, _ = tiled_attention_forward(q, k, v, causal=True, dropout_p=0.3,
+                                       rng=backend.default_rng(7), block_size=4)
+    block = (slice(1, 3), slice(2, 4), ...)                     # rows 1..2, heads 2..3
+    part, cache = tiled_attention_forward(
+        q[block], k[block], v[block], causal=True, dropout_p=0.3,
+        rng=backend.default_rng(7), block_size=4,
+        dropout_index=((3, 4, 6, 6), (1, 2, 0, 0)))
+    assert np.array_equal(backend.to_numpy(part), backend.to_numpy(whole[block]))
+    assert cache.settings["dropout_index"] == ((3, 4, 6, 6), (1, 2, 0, 0))
+    import pytest
+    with pytest.raises(ValueError, match="does not fit"):
+        tiled_attention_forward(q, k, v, dropout_p=0.3, rng=backend.default_rng(7),
+                                dropout_index=((3, 4, 6, 6), (1, 0, 0, 0)))

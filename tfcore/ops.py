@@ -368,14 +368,15 @@ def attention_backward(dout, cache, *, trusted=False):
 
 
 def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, dropout_p=0.0,
-                            rng=None, training=True, *, block_size=64, scale=None):
+                            rng=None, training=True, *, block_size=64, scale=None,
+                            dropout_index=None):
     """functional.tiled_attention_forward -> out [B, H, S_q, D_v], TiledAttentionCache."""
     run = kernel_for("tiled_attention_forward", q, k, v, mask, key_padding, causal, dropout_p,
                      rng, training, block_size, scale)
     if run is None:
         return _tiled.tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p,
                                               rng, training, block_size=block_size,
-                                              scale=scale)
+                                              scale=scale, dropout_index=dropout_index)
     _, settings = _tiled._check_tiled_attention_forward(q, k, v, mask, key_padding, causal,
                                                         dropout_p, rng, training, block_size,
                                                         scale)

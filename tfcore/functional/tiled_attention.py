@@ -58,7 +58,8 @@ def attention_tiles(s_q: int, s_k: int, block_size: int, causal: bool):
     return tiles
 
 
-def dropout_keep(seed: int, shape: tuple, rows: tuple, cols: tuple, p: float, like):
+def dropout_keep(seed: int, shape: tuple, rows: tuple, cols: tuple, p: float, like,
+                 index=None):
     """The keep-mask of one tile: bool [B, H, i1 - i0, j1 - j0], True where kept.
 
     Entry (b, h, i, j) of the full [B, H, S_q, S_k] = `shape` mask is kept when
@@ -66,16 +67,23 @@ def dropout_keep(seed: int, shape: tuple, rows: tuple, cols: tuple, p: float, li
     ((b H + h) S_q + i) S_k + j its row-major index (uint64 arithmetic, wrapping): u is the
     top 53 bits of the hash as a float64 in [0, 1), exact. So the mask is the same whichever
     tiles it is computed in, and on every array library.
+
+    index: None, or (whole, origin): the attention is a block of a larger one (a rank's rows
+    and heads, a ring's pair of chunks), whole = (B, H, S_q, S_k) its shape and origin =
+    (b0, h0, i0, j0) where the block starts in it; n is then the index in `whole` of the
+    entry, so that the block draws the larger attention's mask.
     """
     xp = backend.namespace(like)
     u64 = xp.uint64
     batch, heads, s_q, s_k = shape
     (i0, i1), (j0, j1) = rows, cols
-    b = xp.reshape(xp.arange(batch, dtype=u64), (batch, 1, 1, 1))
-    h = xp.reshape(xp.arange(heads, dtype=u64), (1, heads, 1, 1))
-    i = xp.reshape(xp.arange(i0, i1, dtype=u64), (1, 1, i1 - i0, 1))
-    j = xp.reshape(xp.arange(j0, j1, dtype=u64), (1, 1, 1, j1 - j0))
-    n = ((b * heads + h) * s_q + i) * s_k + j                       # [B, H, bq, bk]
+    b0, h0, q0, k0 = (0, 0, 0, 0) if index is None else index[1]
+    _, heads_all, s_q, s_k = shape if index is None else index[0]   # the whole attention's
+    b = xp.reshape(xp.arange(b0, b0 + batch, dtype=u64), (batch, 1, 1, 1))
+    h = xp.reshape(xp.arange(h0, h0 + heads, dtype=u64), (1, heads, 1, 1))
+    i = xp.reshape(xp.arange(q0 + i0, q0 + i1, dtype=u64), (1, 1, i1 - i0, 1))
+    j = xp.reshape(xp.arange(k0 + j0, k0 + j1, dtype=u64), (1, 1, 1, j1 - j0))
+    n = ((b * heads_all + h) * s_q + i) * s_k + j                   # [B, H, bq, bk]
     z = xp.asarray(seed, dtype=u64) + (n + 1) * xp.asarray(_GOLDEN, dtype=u64)
     z = (z ^ (z >> 30)) * xp.asarray(_MIX1, dtype=u64)
     z = (z ^ (z >> 27)) * xp.asarray(_MIX2, dtype=u64)
@@ -92,7 +100,8 @@ def _draw_seed(rng, like) -> int:
 
 
 def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, dropout_p=0.0,
-                            rng=None, training=True, *, block_size=64, scale=None):
+                            rng=None, training=True, *, block_size=64, scale=None,
+                            dropout_index=None):
     """out = dropout(A) @ v with A = softmax(scale q k^T + M), one tile at a time.
 
     q [B, H, S_q, D_h], k [B, H, S_k, D_h], v [B, H, S_k, D_v]; the masks as
@@ -102,6 +111,9 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     scale       the scores' factor, 1 / sqrt(D_h) when None (a positive finite number)
     dropout_p   inverted dropout on A with the counter-based mask of `dropout_keep`, seeded
                 by one draw from `rng`; the identity when training=False or dropout_p == 0
+    dropout_index  None, or (whole, origin): this attention is the block at origin
+                (b0, h0, i0, j0) of a larger one of shape whole (B, H, S_q, S_k), whose mask
+                it draws (dropout_keep's index): a rank's rows and heads, a ring's pair
     ->  out [B, H, S_q, D_v]
 
     The cache is exactly (q, k, v, out, lse, settings): lse [B, H, S_q] is the row
@@ -110,7 +122,8 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
     size S_q * S_k is kept. A query whose keys are all masked raises ValueError.
     """
     xp, settings = _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p,
-                                                  rng, training, block_size, scale)
+                                                  rng, training, block_size, scale,
+                                                  dropout_index)
     causal, seed = settings["causal"], settings["seed"]
     batch, heads, s_q, _ = q.shape
     s_k, d_v = k.shape[2], v.shape[3]
@@ -141,7 +154,7 @@ def tiled_attention_forward(q, k, v, mask=None, key_padding=None, causal=False, 
 
 
 def _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p, rng, training,
-                                   block_size, scale):
+                                   block_size, scale, dropout_index=None):
     """tiled_attention_forward's checks, and its settings: q, k, v and the masks as
     attention_forward takes them, block_size an integer >= 1, scale None or a positive
     finite number; with dropout, one seed drawn from rng -> (xp, settings): a dict of causal,
@@ -167,9 +180,15 @@ def _check_tiled_attention_forward(q, k, v, mask, key_padding, causal, dropout_p
     seed = None
     if training and dropout_p > 0.0:
         seed = _draw_seed(rng, q)
+    if dropout_index is not None:
+        whole, origin = dropout_index
+        if (len(whole) != 4 or len(origin) != 4
+                or any(o + n > w for o, n, w in zip(origin, full, whole))):
+            raise ValueError(f"dropout_index: a block of shape {full} at {tuple(origin)} does "
+                             f"not fit in {tuple(whole)}")
     settings = dict(causal=causal, scale=scale, block_size=block_size, mask=mask,
                     key_padding=padding, dropout_p=dropout_p if seed is not None else 0.0,
-                    seed=seed)
+                    seed=seed, dropout_index=dropout_index if seed is not None else None)
     return xp, settings
 
 
@@ -201,7 +220,8 @@ def _scores(xp, q, k, settings, full, i0, i1, j0, j1, diagonal):
 
 def _dropout_factor(xp, settings, full, i0, i1, j0, j1, dtype, like):
     """keep / (1 - p) of one tile, [B, H, bq, bk] in the inputs' dtype."""
-    keep = dropout_keep(settings["seed"], full, (i0, i1), (j0, j1), settings["dropout_p"], like)
+    keep = dropout_keep(settings["seed"], full, (i0, i1), (j0, j1), settings["dropout_p"], like,
+                        settings.get("dropout_index"))
     return xp.astype(keep, dtype) * (1.0 / (1.0 - settings["dropout_p"]))
 
 

@@ -211,7 +211,7 @@ def replayable(rng):
     return None if rng is None else copy.deepcopy(rng)
 
 
-def core_attention_forward(q, k, v, spec, rng=None, training=False):
+def core_attention_forward(q, k, v, spec, rng=None, training=False, dropout_index=None):
     """q [B, H, S, D_h], k, v [B, H, S_k, D_h] -> (a [B, H, S, D_h], cache): the dense op
     (chapter 6) or the tiled one (chapter 15), as spec.attention says, through tfcore.ops.
 
@@ -219,10 +219,11 @@ def core_attention_forward(q, k, v, spec, rng=None, training=False):
     qkv projection [B, S, 3D] (qkv_split): the tiled kernel reads them in place, with their
     row stride 3D, in the forward and again in the backward (no copy, and each thread's
     share of the batch is the rows it made in the projection)."""
-    if spec.attention == "tiled":
+    if spec.attention == "tiled":       # dropout_index: a rank's block of the whole mask
         return ops.tiled_attention_forward(q, k, v, causal=spec.causal,
                                            dropout_p=spec.dropout, rng=rng, training=training,
-                                           block_size=spec.attention_block_size)
+                                           block_size=spec.attention_block_size,
+                                           dropout_index=dropout_index)
     return ops.attention_forward(q, k, v, causal=spec.causal, dropout_p=spec.dropout, rng=rng,
                                  training=training)
 
@@ -274,10 +275,12 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         a, c_att = parts.attention_forward(q, k, v, spec, rng, training)  # [B, H, S, D_h]
     else:
         k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)   # [B, H, S_k, D_h]
-        a, c_att = core_attention_forward(q, k, v, spec, rng, training)  # [B, H, S, D_h]
+        index = parts.dropout_index(rng, q.shape, k.shape)   # None on one device
+        a, c_att = core_attention_forward(q, k, v, spec, rng, training,
+                                          index)                        # [B, H, S, D_h]
     if spec.recompute_attention:
         # keep what builds A again, not A: q, k, v (kept anyway) and the generator as it was
-        c_att = ("recompute", q, k, v, replay, training)
+        c_att = ("recompute", q, k, v, replay, training, index)
     merged = merge_heads(a)                                             # [B, S, D]
     if spec.attention == "tiled" and not spec.recompute_attention and not parts.ring:
         # the tiled backward reads the output only through rowsum(dout * out): keep it as
@@ -299,8 +302,8 @@ def attention_sublayer_backward(params, prefix, dout, cache, spec, parts=ONE_DEV
     del dout, c_proj                # the merged heads [B, S, D]
     da = split_heads(dmerged, spec.n_heads)                             # [B, H, S, D_h]
     if spec.recompute_attention:        # the same call on the same inputs and draws: same A
-        _, q, k, v, replay, training = c_att
-        _, c_att = core_attention_forward(q, k, v, spec, replay, training)
+        _, q, k, v, replay, training, index = c_att
+        _, c_att = core_attention_forward(q, k, v, spec, replay, training, index)
     if parts.ring:
         dq, dk, dv = parts.attention_backward(da, c_att, spec)  # dk, dv [B, H_kv, S, D_h]
     else:

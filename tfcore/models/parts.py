@@ -105,6 +105,11 @@ class OneDevice:
         """What dropout draws from: rng itself on one device."""
         return rng
 
+    def dropout_index(self, rng, q_shape, k_shape):
+        """The tiled op's dropout_index (whole shape, origin) of this rank's block of the
+        attention: None on one device (the block is the whole)."""
+        return None
+
     # -- embedding: ids [B, S] -> tokens [B, S, D] (positions are the model's) ---------------
     def embed_forward(self, params, ids):
         return F.embedding_forward(ids, params["wte"])

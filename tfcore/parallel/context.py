@@ -204,8 +204,20 @@ def _block_shapes(layout, owner, batch, heads, d_h, d_v):
 # Ring attention: forward and backward
 
 
+class _SameDraw:
+    """A generator that hands every caller the one draw it was made with: each pair of
+    chunks of the ring seeds its tiles' dropout from the attention's one seed."""
+
+    def __init__(self, draw):
+        self.draw = draw
+
+    def random(self, shape):
+        return self.draw
+
+
 def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = False, *,
-                           block_size: int = 64, scale=None, log=None):
+                           block_size: int = 64, scale=None, log=None, dropout_p: float = 0.0,
+                           rng=None, training: bool = False, dropout_origin=None):
     """Attention over the whole sequence from this rank's rows, the K/V blocks passed round.
 
     q [B, H, S_r, D_h], k [B, H_kv, S_r, D_h], v [B, H_kv, S_r, D_v]: this rank's rows
@@ -216,6 +228,10 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
     block_size, scale   passed to tiled_attention_forward (scale default 1 / sqrt(D_h))
     log      a list to append, per step, dict(step, owner, pairs=[(q chunk, k chunk,
              kind, rows, cols)]) for the pictures and the work counts
+    dropout_p, rng, training   dropout on the probabilities: one seed drawn from rng, and
+             each pair of chunks draws its block of the mask of the whole attention
+             [B_all, H_all, S, S] (the tiled op's dropout_index), dropout_origin =
+             (B_all, H_all, b0, h0) placing this rank's rows and heads in it (default: all)
     ->  out [B, H, S_r, D_v], cache (for ring_attention_backward: q, k, v, out, lse, the
         settings of each block pair, nothing of size S_r x S)
     """
@@ -228,6 +244,12 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
     scale = 1.0 / math.sqrt(d_h) if scale is None else checks.positive("scale", scale)
     n, r = comm.size, comm.rank
     mine = layout.local_slices(r)
+    dropout = {}
+    if training and dropout_p > 0:
+        checks.generator("rng", rng)
+        B_all, H_all, b0, h0 = dropout_origin or (batch, heads, 0, 0)
+        same = _SameDraw(rng.random((1,)))       # the attention's one seed, for every pair
+        dropout = dict(dropout_p=dropout_p, rng=same, training=True)
     out = [None] * len(mine)                     # per local query chunk: [B, H, n_i, D_v]
     lse = [None] * len(mine)                     # [B, H, n_i]
     settings = {}
@@ -245,10 +267,14 @@ def ring_attention_forward(q, k, v, comm, layout: ContextLayout, causal: bool = 
                 pairs.append((qc, kc, kind, q1 - q0, k1 - k0))
                 if kind == SKIP:
                     continue
+                if dropout:                      # this pair's block of the whole mask
+                    dropout["dropout_index"] = (
+                        (B_all, H_all, layout.seq_len, layout.seq_len),
+                        (b0, h0, layout.bounds[qc][0], layout.bounds[kc][0]))
                 o, cache = ops.tiled_attention_forward(
                     q[:, :, q0:q1, :], repeat_kv_heads(held_k[:, :, k0:k1, :], groups),
                     repeat_kv_heads(held_v[:, :, k0:k1, :], groups),
-                    causal=kind == DIAGONAL, block_size=block_size, scale=scale)
+                    causal=kind == DIAGONAL, block_size=block_size, scale=scale, **dropout)
                 settings[(qc, kc)] = cache[5]
                 if out[i] is None:
                     out[i], lse[i] = o, cache[4]

@@ -79,9 +79,11 @@ REFUSALS: list[Refusal] = [
     Refusal("virtual stages without pipeline parallelism", ("virtual", "pp"),
             lambda l, c: not _pipe(l) and l.virtual != 1,
             "virtual stages are chunks of a pipeline rank; give pp with them"),
-    Refusal("context parallelism with dropout", ("cp", "dropout"),
-            lambda l, c: _ctx(l) and _dropout(c),
-            "ring attention draws no dropout mask on the attention probabilities"),
+    Refusal("context parallelism with dropout on dense attention", ("cp", "dropout",
+                                                                    "attention"),
+            lambda l, c: _ctx(l) and _dropout(c) and c.attention == "dense",
+            "ring attention is the tiled op, whose masks are a hash of the position, not one "
+            "device's uniform [B, H, S, S] draw; use attention 'tiled' or dropout 0"),
     Refusal("context parallelism with selective recomputation", ("cp", "recompute"),
             lambda l, c: _ctx(l) and c is not None and c.recompute == "selective",
             "ring attention keeps no [B, H, S, S] probabilities to drop; use recompute "
@@ -103,12 +105,6 @@ REFUSALS: list[Refusal] = [
             lambda l, c: l.bucket_bytes is not None and l.sp,
             "the buckets all-reduce a replicated gradient as the backward goes, and the "
             "replicated tensors' gradients are final only after the whole backward"),
-    Refusal("tiled attention with dropout across ranks",
-            ("attention", "dropout", "tp", "dp", "micro_batches"),
-            lambda l, c: (c is not None and c.attention == "tiled" and _dropout(c)
-                          and (l.tp > 1 or l.dp > 1 or l.micro_batches > 1 or _pipe(l))),
-            "the tiled op's dropout mask is a hash of the local batch row and head, not "
-            "of the global ones; use attention 'dense' or dropout 0"),
     Refusal("clipping with key/value heads shared across ranks", ("clip", "n_kv_heads", "tp"),
             lambda l, c: (c is not None and l.clip is not None
                           and c.n_kv_heads < l.tp),

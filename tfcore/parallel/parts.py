@@ -189,6 +189,8 @@ class LayoutDraws:
 
     def random(self, shape):
         b0, b1, batch = self.rows
+        if tuple(shape) == (1,):        # the tiled op's seed: one draw, the same everywhere
+            return self.rng.random((1,))
         if len(shape) == 3:
             block = rows_at(self.rng.random((batch, self.seq, self.d_model))[b0:b1],
                             self.stream, axis=1)
@@ -197,9 +199,8 @@ class LayoutDraws:
             block = self.rng.random((batch, self.n_heads, self.seq, self.seq))[b0:b1, h0:h1]
         else:
             raise ValueError(f"a sharded model's dropout cannot draw shape {tuple(shape)}: "
-                             "only the residual stream [B, S, D] and dense attention's "
-                             "probabilities [B, H, S, S] (the tiled op's seed is refused by "
-                             "Layout.validate)")
+                             "only the residual stream [B, S, D], dense attention's "
+                             "probabilities [B, H, S, S] and the tiled op's seed (1,)")
         if tuple(block.shape) != tuple(shape):
             raise RuntimeError(f"sharded draws: block {tuple(block.shape)} != requested "
                                f"{tuple(shape)}")
@@ -280,6 +281,15 @@ class ParallelParts(OneDevice):
         return LayoutDraws(rng, rows, seq, self.config.d_model, self.config.n_heads,
                            self.stream_index(seq), self.heads)
 
+    def dropout_index(self, rng, q_shape, k_shape):
+        """(whole, origin) of this rank's block of the tiled op's mask: its rows of the
+        batch and its heads, all positions (the ring places its own pairs)."""
+        if not isinstance(rng, LayoutDraws):
+            return None
+        b0, _, batch = rng.rows
+        whole = (batch, self.config.n_heads, q_shape[2], k_shape[2])
+        return whole, (b0, self.heads[0], 0, 0)
+
     def _mine(self, x):
         """x [B, S, ...] -> the ring's positions of it (the whole of it without a ring)."""
         if not self.ring:
@@ -314,9 +324,15 @@ class ParallelParts(OneDevice):
 
     # -- attention on the ring ---------------------------------------------------------------
     def attention_forward(self, q, k, v, spec, rng=None, training=False):
-        """q [B, H/N, S_r, D_h], k, v [B, H_kv/N, S_r, D_h] -> the ring's attention."""
+        """q [B, H/N, S_r, D_h], k, v [B, H_kv/N, S_r, D_h] -> the ring's attention; with
+        dropout, each pair of chunks draws its block of the whole attention's mask."""
+        dropout = {}
+        if training and spec.dropout > 0 and isinstance(rng, LayoutDraws):
+            b0, _, batch = rng.rows
+            dropout = dict(dropout_p=spec.dropout, rng=rng, training=True,
+                           dropout_origin=(batch, self.config.n_heads, b0, self.heads[0]))
         return ring_attention_forward(q, k, v, self.cp, self.layout, causal=spec.causal,
-                                      block_size=spec.attention_block_size)
+                                      block_size=spec.attention_block_size, **dropout)
 
     def attention_backward(self, da, cache, spec):
         return ring_attention_backward(da, cache)
