@@ -716,12 +716,13 @@ class Trainer:
         """A trainer rebuilt from a checkpoint's own config (free fields, the layout among
         them, may be overridden), on `world`'s ranks for a parallel layout."""
         meta, _ = read_checkpoint(path)
-        bad = set(overrides) - set(FREE_FIELDS)
+        bad = set(overrides) - set(FREE_FIELDS) - {"steps"}
         if bad:
-            raise ConfigMismatch(f"only {', '.join(FREE_FIELDS)} may change on resume, "
-                                 f"not {', '.join(sorted(bad))}")
+            raise ConfigMismatch(f"only {', '.join(FREE_FIELDS)} and steps may change on "
+                                 f"resume, not {', '.join(sorted(bad))}")
         try:
             config = TrainConfig(**dict(meta["config"], **overrides))
+            check_config(meta, config, path)
         except TypeError as err:
             raise CheckpointError(f"{path}: malformed configuration ({err})") from None
         return cls(config, world).load(path)
@@ -898,12 +899,27 @@ def _upgraded_config(config: dict) -> dict:
 
 
 def check_config(meta: dict, config: TrainConfig, path="checkpoint") -> None:
-    """Raise ConfigMismatch naming every field (outside FREE_FIELDS) that differs."""
+    """Raise ConfigMismatch naming every field (outside FREE_FIELDS) that differs.
+
+    steps may grow when the rate is constant after the warm-up (min_lr = lr): the extended
+    run then equals one trained that long from the start. Under the cosine schedule the
+    rate of every step depends on the total, so a longer run would not be the same run."""
     theirs = meta["config"]
     diffs = [f"{f.name} (checkpoint {theirs.get(f.name)!r}, this run "
              f"{getattr(config, f.name)!r})"
              for f in fields(TrainConfig)
-             if f.name not in FREE_FIELDS and theirs.get(f.name) != getattr(config, f.name)]
+             if f.name not in FREE_FIELDS and f.name != "steps"
+             and theirs.get(f.name) != getattr(config, f.name)]
+    steps = theirs.get("steps")
+    if steps != config.steps:
+        if not (isinstance(steps, int) and config.steps > steps
+                and config.min_lr == config.lr):
+            why = ("a run can only be extended, not shortened" if isinstance(steps, int)
+                   and config.steps < steps else
+                   "the cosine schedule's rate at every step depends on the total, so the "
+                   "longer run would not be this run continued (train with --min-lr equal "
+                   "to --lr for a constant rate that extends)")
+            diffs.append(f"steps (checkpoint {steps!r}, this run {config.steps!r}: {why})")
     if diffs:
         raise ConfigMismatch(f"{path} was made with another configuration: "
                              + "; ".join(diffs))
@@ -1012,7 +1028,7 @@ def _main(argv) -> int:
             raise ConfigError("preset", "cannot be combined with --resume (a resumed run "
                               "keeps its checkpoint's configuration)")
         meta, _ = read_checkpoint(args.resume)
-        free = {k: v for k, v in given.items() if k in FREE_FIELDS}
+        free = {k: v for k, v in given.items() if k in FREE_FIELDS or k == "steps"}
         if "out_dir" not in free and not meta["config"].get("out_dir"):
             free["out_dir"] = str(Path(args.resume).parent)
         config = TrainConfig(**dict(_upgraded_config(meta["config"]), **free))
