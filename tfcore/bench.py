@@ -606,8 +606,9 @@ def machine() -> dict:
 
 class Profiler:
     """Exclusive time per op: every *_forward, *_backward, *_update and layout helper of
-    tfcore.functional, tfcore.nn and the model modules is wrapped while profiling; an op's
-    time excludes the wrapped ops it calls. 'other' is the rest of the step (Python glue)."""
+    tfcore.functional, tfcore.ops (the kernels' seat, which the models call), tfcore.nn and
+    the model modules is wrapped while profiling; an op's time excludes the wrapped ops it
+    calls. 'other' is the rest of the step (Python glue)."""
 
     PATTERNS = ("_forward", "_backward", "_update", "split_heads", "merge_heads", "qkv_split",
                 "qkv_merge_grads", "accumulate", "zero_grad")
@@ -639,7 +640,7 @@ class Profiler:
         from . import nn
 
         wrapped = {}
-        modules = ["tfcore.functional", "tfcore.nn", "tfcore.models.blocks",
+        modules = ["tfcore.functional", "tfcore.ops", "tfcore.nn", "tfcore.models.blocks",
                    "tfcore.models.decoder", "tfcore.optim"]
         for mod_name in modules:
             mod = importlib.import_module(mod_name)
