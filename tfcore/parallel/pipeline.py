@@ -578,7 +578,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
         opt.step()
         norms.append(opt.last_norm)
         losses.append(out["loss"])
-        if gather and t == steps - 1:
+        if gather and t == steps - 1 and not zero:   # ZeRO-1 sums only its chunk
             grads = gather_full(stage, mesh, config, "grad")
     # every rank reports the losses: the last stages' shares summed over dp (each replica's
     # share is its tokens' loss over the global T_c), then sent down the pipeline
