@@ -151,3 +151,29 @@ def test_the_bytes_of_a_composed_layout_are_its_formula(lname, fname):
     priced = plan(config, layout, batch=BATCH, seq=SEQ)
     assert priced.sent is not None, lname
     assert [t.sent for t in group.traffic] == [STEPS * s for s in priced.sent]
+
+
+@pytest.mark.parametrize("lname", ["tp2 x cp2", "dp2 x pp2 x tp2, zero1",
+                                   "tp2 x dp2, sp, zero3", "cp2 x dp2, zero1"])
+def test_mixed_precision_composes_with_the_layouts(lname):
+    """bfloat16 products (tfcore.mixed_precision.autocast, float32 accumulation) with
+    float32 master weights and AdamW state, under a composed layout: the products are
+    rounded on every rank (the losses move from the float32 run's by a bfloat16-sized
+    amount), and the run stays as close to one device's bfloat16 run as bfloat16 allows
+    (the layout splits some sums, so it cannot be the same bits: the losses agree to within
+    2^-7, bfloat16's precision, where float32 runs agree to 1e-6)."""
+    import dataclasses
+
+    from tfcore.mixed_precision import autocast
+
+    layout = LAYOUTS[lname]
+    config = dataclasses.replace(FEATURES["llama"], dtype="float32")
+    group = SimulatedGroup(layout.world_size)
+    with autocast("bfloat16"):              # process-wide: every simulated rank's products
+        one = train_single(config, STEPS, BATCH, SEQ)
+        low = group.run(train_layout, config, layout, STEPS, BATCH, SEQ)[0]
+    full = group.run(train_layout, config, layout, STEPS, BATCH, SEQ)[0]
+    full_one = train_single(config, STEPS, BATCH, SEQ)
+    assert _rel(full["losses"], full_one["losses"]) < 1e-6          # float32 composes
+    assert _rel(low["losses"], full["losses"]) > 1e-6               # the products rounded
+    assert _rel(low["losses"], one["losses"]) < 2.0 ** -7           # bfloat16 composes
