@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-
 from .. import backend, nn
 from ..models.decoder import DecoderConfig, DecoderLM
 from .layout import Layout

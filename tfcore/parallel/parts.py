@@ -129,13 +129,15 @@ def unshard_tensor(name, pieces, config: DecoderConfig):
     if rule in ("vocab_cols", "cols"):
         return xp.concat(pieces, axis=-1)
     width = config.head_dim * (config.n_heads + 2 * config.n_kv_heads)
-    out = [None] * width                                       # column -> (rank, local column)
+    where = np.full(width, -1, dtype=np.int64)     # column -> its place in the pieces side by
+    offset = 0                                     # side (a shared head: its first copy)
     for rank in range(tp):
-        for local, column in enumerate(qkv_columns(config, tp, rank)):
-            if out[column] is None:                            # a shared head: its first copy
-                out[column] = (rank, local)
-    order = [pieces[r][..., c:c + 1] for r, c in out]
-    return xp.concat(order, axis=-1)
+        columns = qkv_columns(config, tp, rank)
+        fresh = where[columns] < 0
+        where[columns[fresh]] = offset + np.arange(len(columns))[fresh]
+        offset += len(columns)
+    side_by_side = xp.concat(list(pieces), axis=-1)
+    return xp.take(side_by_side, xp.asarray(where), axis=side_by_side.ndim - 1)
 
 
 def local_shapes(config: DecoderConfig, names, tp: int, rank: int) -> dict:
