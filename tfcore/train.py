@@ -1080,8 +1080,10 @@ def _main(argv) -> int:
                           "mpi4py (pip install mpi4py mpich, then mpiexec -n "
                           f"{ranks}): give --simulate {ranks}") from None
     if MPI.COMM_WORLD.Get_size() != ranks:
+        started = MPI.COMM_WORLD.Get_size()
         raise ConfigError("dp", f"the layout {config.layout().shape()} needs {ranks} ranks, "
-                          f"but mpiexec started {MPI.COMM_WORLD.Get_size()}")
+                          f"but {started} {'was' if started == 1 else 'were'} started: run "
+                          f"mpiexec -n {ranks}, or give --simulate {ranks}")
     from .parallel.comm import MPIComm, abort_on_error
 
     with abort_on_error():
