@@ -6,7 +6,9 @@
 
 Each figure is the median of --repeats runs after one warm-up. Peak memory is the largest
 amount of host memory NumPy allocated during one forward+backward (tracemalloc), which
-shows what each op keeps in its cache.
+shows what each op keeps in its cache. Each op runs as the model runs it: through
+tfcore.ops (its fused kernel where the kernel takes the call; --reference times the
+proved functional op instead).
 """
 from __future__ import annotations
 
@@ -17,7 +19,24 @@ import tracemalloc
 
 import numpy as np
 
-from tfcore import backend, functional as F
+from tfcore import backend, ops
+from tfcore import functional as reference
+
+
+class _Ops:
+    """tfcore.ops' op where it has one, else the functional op (which is then the one the
+    model runs); with reference=True, always the functional op."""
+
+    def __init__(self, reference_only: bool = False):
+        self.reference_only = reference_only
+
+    def __getattr__(self, name):
+        if not self.reference_only and hasattr(ops, name):
+            return getattr(ops, name)
+        return getattr(reference, name)
+
+
+F = _Ops()
 
 
 def synchronize():
@@ -57,7 +76,10 @@ def main():
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reference", action="store_true",
+                        help="time the proved functional ops, not tfcore.ops' default path")
     args = parser.parse_args()
+    F.reference_only = args.reference
 
     B, S, D, V, dt = args.batch, args.seq, args.width, args.vocab, args.dtype
     rng = np.random.default_rng(0)
