@@ -48,3 +48,14 @@ def backend_name(request):
 def rng(request) -> np.random.Generator:
     """A generator seeded from the test id (fixed across runs, different between tests)."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_kernels():
+    """Compile (or load from Numba's disk cache) every fused kernel once per test process,
+    before any test: on a cold cache, a simulated rank that compiled a kernel in the middle
+    of a step would keep the other ranks waiting in a collective, for up to their timeout."""
+    from tfcore import kernels
+
+    if kernels.available():
+        kernels.warm_up()
