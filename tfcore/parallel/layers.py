@@ -1,6 +1,6 @@
 """Tensor-parallel layers as op pairs: column- and row-parallel linears, the vocab-parallel
-embedding and cross-entropy, and the dropout draws that make a sharded run reproduce one
-device's masks.
+embedding and cross-entropy (parts.LayoutDraws makes a sharded run's dropout masks one
+device's).
 
 Column-parallel: W = [W_0 | ... | W_{N-1}] split by output columns; rank r computes
 y_r = x W_r (+ b_r), its block of the output columns, from the replicated input.
@@ -160,19 +160,3 @@ def vocab_parallel_cross_entropy_backward(dloss, cache):
     hit = -weight * xp.astype(mine, probs.dtype)
     flat = backend.scatter_add(xp.reshape(dz, (-1,)), xp.arange(n_rows) * V_r + safe, hit)
     return xp.reshape(flat, shape)
-
-
-class ShardedDraws:
-    """Stands in for a random generator in a sharded layer: each `random(shape)` draws the
-    uniforms of the whole (unsharded) tensor from the shared generator (same seed on every
-    rank, same order of calls as on one device) and returns this rank's block, so dropout
-    masks equal one device's exactly. Costs the whole tensor's draws on every rank."""
-
-    def __init__(self, rng, full_shape, index):
-        self.rng, self.full_shape, self.index = rng, tuple(full_shape), tuple(index)
-
-    def random(self, shape):
-        block = self.rng.random(self.full_shape)[self.index]
-        if tuple(block.shape) != tuple(shape):
-            raise RuntimeError(f"sharded draws: block {tuple(block.shape)} != requested {shape}")
-        return block

@@ -110,16 +110,8 @@ class TensorParallelDecoder(DecoderLM):
                                                   self.tp.size, self.tp.rank)
         return self
 
-    def shard_of(self, name, full):
-        return shard_tensor(name, full, self.config, self.tp.size, self.tp.rank)
-
     def gather_full(self, which: str = "data"):
         """The full flat buffer of the single-device layout (every rank gets it; collective
         over tp). which: 'data' or 'grad'."""
         get = self.params.__getitem__ if which == "data" else self.params.grad_of
         return gather_tensors(self.config, self.tp, get)
-
-    def sum_replicated_grads(self, before=None):
-        """Sum over the tensor-parallel group the gradients each rank computed from its
-        share (sequence parallelism's replicated tensors, shared key/value heads)."""
-        self.parts.reduce_grads(self.params, before)
