@@ -50,6 +50,24 @@ def rng(request) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture()
+def kernels_on_numpy():
+    """The kernels are for NumPy: a test that asks for this runs there whatever
+    TFCORE_BACKEND says (a test that takes `backend_name` selects each backend itself), with
+    the kernels switched on even when TFCORE_KERNELS=0 selects the reference for the rest of
+    the suite; both settings are restored afterwards."""
+    from tfcore import kernels
+
+    previous = backend.get_backend()
+    backend.set_backend("numpy")
+    was_enabled = kernels.set_enabled(True)
+    try:
+        yield
+    finally:
+        kernels.set_enabled(was_enabled)
+        backend.set_backend(previous)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _compiled_kernels():
     """Compile (or load from Numba's disk cache) every fused kernel once per test process,

@@ -137,15 +137,8 @@ def test_any_import_order_registers_every_kernel(first):
 # -- the registry -------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)
-def numpy_backend():
-    previous = backend.get_backend()
-    backend.set_backend("numpy")
-    was_enabled = kernels.set_enabled(True)
-    try:
-        yield
-    finally:
-        kernels.set_enabled(was_enabled)
-        backend.set_backend(previous)
+def numpy_backend(kernels_on_numpy):
+    """The registry's kernels run on NumPy (conftest's kernels_on_numpy)."""
 
 
 def test_register_refuses_what_it_cannot_use():

@@ -61,18 +61,8 @@ def randn(rng, shape, dtype, scale=1.0):
 
 
 @pytest.fixture(autouse=True)
-def numpy_backend():
-    """The kernels are for NumPy: these tests run there whatever TFCORE_BACKEND says (the
-    test that takes `backend_name` selects each backend itself), with the kernels switched
-    on even when TFCORE_KERNELS=0 selects the reference for the rest of the suite."""
-    previous = backend.get_backend()
-    backend.set_backend("numpy")
-    was_enabled = kernels.set_enabled(True)
-    try:
-        yield
-    finally:
-        kernels.set_enabled(was_enabled)
-        backend.set_backend(previous)
+def numpy_backend(kernels_on_numpy):
+    """The kernels are for NumPy: these tests run there (conftest's kernels_on_numpy)."""
 
 
 DTYPES = pytest.mark.parametrize("dtype", ["float64", "float32"])
