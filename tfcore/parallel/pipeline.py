@@ -115,6 +115,16 @@ def interleaved_schedule(n_stages: int, n_microbatches: int,
     return out
 
 
+def forward_schedule(n_stages: int, n_microbatches: int,
+                     n_virtual: int = 1) -> list[list[tuple]]:
+    """Forward only (an evaluation): rank r runs F(i, c) for every micro-batch i, and within
+    it every chunk c in order. An operation waits only for one earlier in (i, c, rank)
+    order, so the ranks never wait on each other in a circle."""
+    _check_counts(n_stages, n_microbatches, n_virtual)
+    return [[("F", i, c) for i in range(n_microbatches) for c in range(n_virtual)]
+            for _ in range(n_stages)]
+
+
 def make_schedule(schedule: str, n_stages: int, n_microbatches: int,
                   n_virtual: int = 1) -> list[list[tuple]]:
     """[rank] -> [(op, micro-batch, chunk)] for schedule in SCHEDULES."""
@@ -366,15 +376,17 @@ def _messages_on_links(schedule, n_stages, n_virtual, rank):
 
 
 def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_total: float,
-                      dropout=None):
+                      dropout=None, forward_only: bool = False):
     """Run this rank's operations of `schedule` for one step; gradients add into
     stage.params.grad. ids, targets [m, B_m, S] (host): the micro-batches (only the first and
     last virtual stages read them). count_total: T_c, the counted targets of the whole
     global batch. dropout: (new_generator, rows) for training with dropout: new_generator()
     a fresh generator of the step's seed for each chunk's forward, rows[i] = (start, stop,
-    B_global) micro-batch i's rows of the batch. -> dict(loss (the step's loss on the last stage, else None), record
-    [(op, micro-batch, chunk, key of the message waited for or None)], peak_live,
-    peak_bytes, chunk_bytes {chunk: bytes of one micro-batch's cache})."""
+    B_global) micro-batch i's rows of the batch. forward_only: a schedule of forwards
+    (forward_schedule: an evaluation) whose caches are dropped at once. -> dict(loss (the
+    step's loss on the last stage, else None), record [(op, micro-batch, chunk, key of
+    the message waited for or None)], peak_live, peak_bytes, chunk_bytes {chunk: bytes of
+    one micro-batch's cache})."""
     p, v = stage.n_stages, stage.n_virtual
     r = stage.stage
     xp = backend.xp()
@@ -422,11 +434,12 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
             out, cache = stage.chunk_forward(c, inputs, backend.asarray(targets[i])
                                              if s == last else None, seq=seq, rng=rng,
                                              rows=rows)
-            caches[(i, c)] = cache
-            live += 1
-            chunk_bytes[c] = cache_bytes(cache)        # the same for every micro-batch
-            live_bytes += chunk_bytes[c]
-            peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
+            if not forward_only:           # (an evaluation keeps no cache)
+                caches[(i, c)] = cache
+                live += 1
+                chunk_bytes[c] = cache_bytes(cache)    # the same for every micro-batch
+                live_bytes += chunk_bytes[c]
+                peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
             if s == last:
                 mean, count = out
                 loss_sum += mean * count / count_total
@@ -502,6 +515,125 @@ def measure_timeline(records, n_stages: int, n_virtual: int = 1, cost_forward=1,
 # Training on a DP x PP x TP mesh
 
 
+def build_stage(world, config: DecoderConfig, layout: Layout, hyper=None, mesh=None):
+    """This rank's PipelineStage of `layout` (layout.pp set) and its AdamW, as a runner.Run
+    whose `pipeline` holds what a step needs besides the model: the schedule [rank] ->
+    [(op, micro-batch, chunk)], `tied` (the group of the first and the last stage, which
+    sum the gradients of their two copies of a tied wte; None elsewhere) and `holds_last`
+    (this rank runs the last virtual stage: the loss). The parameters are zero: load them
+    (stage.load_full, or tfcore.parallel.checkpoint.load_state) before training.
+    runner.build calls it for a layout with pp; mesh: the layout's Mesh, when built."""
+    from .grads import tensor_parallel_mask
+    from .runner import HYPER, Run
+
+    hyper = dict(HYPER, **(hyper or {}))
+    pp, m, v = layout.pp, layout.micro_batches, layout.virtual
+    schedule = layout.pipeline_schedule
+    check_pipeline_layout(config, world.size, pp, layout.tp, layout.dp, m, v, None,
+                          schedule, layout.cp, layout.sp, layout.zero)
+    mesh = mesh or Mesh(world, tp=layout.tp, dp=layout.dp, pp=pp, cp=layout.cp)
+    plan = make_schedule(schedule, pp, m, v)
+    world.check_same(f"{schedule} m={m} v={v}", "the pipeline schedule")
+    stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, v, layout.sp, mesh.cp,
+                          layout.balanced)
+    r = mesh.pp_rank
+    holds_last = any(c * pp + r == pp * v - 1 for c in range(v))
+    # a tied head: the first and the last stage each hold wte; their gradients are summed
+    tied = None
+    if config.tied_head and pp > 1 and r in (0, pp - 1):
+        tied = mesh.pp.subgroup([0, pp - 1], name="embedding")
+    # the stage's whole gradient, summed over the data group (dp, or dp x cp), or its
+    # ZeRO-1 chunks; with clipping, the norm's pieces over tp and the stages
+    clipped = {} if layout.clip is None else dict(
+        tp=mesh.tp, tp_mask=tensor_parallel_mask(stage), pp=mesh.pp,
+        counted=counted_mask(stage))                                       # [P_local] each
+    shard = (ZeRO1 if layout.zero == 1 else Replicated)(mesh.data, **clipped)
+    opt = adamw(stage.params, shard, hyper, clip=layout.clip)
+    return Run(mesh, stage, opt, shard, layout,
+               pipeline=dict(schedule=plan, tied=tied, holds_last=holds_last))
+
+
+def _micro_batches(run, ids, targets, batch: int):
+    """This replica's rows of the global batch ids, targets [B, S] (host), as the m
+    micro-batches [m, B_m, S] each (B_m = B / (N_D m)), and their rows of the batch."""
+    mesh, m = run.mesh, run.layout.micro_batches
+    rows = batch // mesh.dp_size
+    b0, micro, seq = mesh.dp_rank * rows, rows // m, ids.shape[1]
+    mb_ids = ids[b0:b0 + rows].reshape(m, micro, seq)                       # [m, B_m, S]
+    mb_targets = targets[b0:b0 + rows].reshape(m, micro, seq)
+    return mb_ids, mb_targets, [(b0 + i * micro, b0 + (i + 1) * micro, batch)
+                                for i in range(m)]
+
+
+def _count_total(run, mb_targets) -> float:
+    """T_c of the global batch on a rank of the last stage (this replica's counted targets,
+    summed over dp; at least 1); 1.0 elsewhere (no other stage reads it)."""
+    if not run.pipeline["holds_last"]:
+        return 1.0
+    mesh = run.mesh
+    local = np.array([float(np.sum(mb_targets != IGNORE_INDEX))])
+    total = mesh.dp.all_reduce(backend.asarray(local)) if mesh.dp_size > 1 else local
+    return max(float(backend.to_numpy(total)[0]), 1.0)
+
+
+def pipeline_step(run, ids, targets, batch: int, dropout=None):
+    """One update of a pipeline run (build_stage) on the global batch ids, targets [B, S]
+    (host; every rank holds it): this replica's rows as m micro-batches through the
+    schedule (run_pipeline_step), the tied wte's two gradients summed, the optimizer's step
+    (the gradient summed over the data group, clipped by the global norm when the layout
+    clips). dropout: None, or a function giving the forward's dropout settings,
+    dict(training=True, rng=...) with a fresh generator of the step's seed (as
+    runner.train_step's): each chunk's forward draws one device's masks from it.
+    -> (this rank's share of the step's loss: on a rank of the last stage its replica's
+    tokens' loss over the global T_c, None elsewhere (share_losses sums and sends it),
+    the executor's dict with `sent`, the point-to-point bytes of its pipeline)."""
+    stage, world = run.model, run.mesh.world
+    stage.params.zero_grad()
+    mb_ids, mb_targets, rows = _micro_batches(run, ids, targets, batch)
+    count = _count_total(run, mb_targets)
+    draws = None
+    if dropout is not None and stage.config.dropout > 0:
+        draws = (lambda: dropout()["rng"], rows)      # each chunk draws from the seed afresh
+    before = world.traffic.sent
+    out = run_pipeline_step(stage, run.mesh.pp, run.pipeline["schedule"], mb_ids,
+                            mb_targets, count, draws)
+    out["sent"] = world.traffic.sent - before
+    tied = run.pipeline["tied"]
+    if tied is not None:
+        g = stage.params.grad_of("wte")
+        g[...] = xp_reshape(tied.all_reduce(xp_reshape(g, (-1,))), g.shape)
+    run.optimizer.step()
+    return out["loss"], out
+
+
+def share_losses(run, losses) -> list[float]:
+    """Every rank's copy of a pipeline run's step losses (pipeline_step's shares, [n]): the
+    last stage's shares summed over dp (each replica's is its tokens' loss over the global
+    T_c), then broadcast down the pipeline from the last stage (other ranks pass None)."""
+    mesh, n = run.mesh, len(losses)
+    holds_last = run.pipeline["holds_last"]
+    mine = backend.xp().asarray(np.array(losses if holds_last else [0.0] * n,
+                                         dtype=np.float64))
+    if holds_last and mesh.dp_size > 1:
+        mine = mesh.dp.all_reduce(mine)
+    if mesh.pp_size > 1:
+        mine = mesh.pp.broadcast(mine, root=mesh.pp_size - 1)
+    return [float(x) for x in backend.to_numpy(mine)]
+
+
+def pipeline_loss(run, ids, targets, batch: int) -> float:
+    """The loss of the global batch ids, targets [B, S] (host) under a pipeline run, for
+    evaluation: the forward-only schedule (every micro-batch through the stages in order,
+    no dropout, no cache kept, no gradient), the shares summed as in training. Every rank
+    gets it; no rank needs the whole model."""
+    p, m, v = run.mesh.pp_size, run.layout.micro_batches, run.layout.virtual
+    mb_ids, mb_targets, _ = _micro_batches(run, ids, targets, batch)
+    count = _count_total(run, mb_targets)
+    out = run_pipeline_step(run.model, run.mesh.pp, forward_schedule(p, m, v), mb_ids,
+                            mb_targets, count, forward_only=True)
+    return share_losses(run, [out["loss"]])[0]
+
+
 def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,
                    pp: int, n_microbatches: int, schedule: str = "1f1b", n_virtual: int = 1,
                    tp: int = 1, dp: int | None = None, seed: int = 0, hyper=None,
@@ -516,11 +648,10 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     bytes this rank sent in each step's pipeline), coords (dp, pp, tp), norms).
 
     clip: max_norm of clipping by the global norm (as train_single's), over the stages
-    (every piece sharded over pp), tp inside them, the tied wte counted once."""
-    from .grads import tensor_parallel_mask
-    from .runner import HYPER, check_same_start, make_batches
+    (every piece sharded over pp), tp inside them, the tied wte counted once. A step is
+    pipeline_step, the one the trainer (python -m tfcore.train --pp) calls."""
+    from .runner import check_same_start, make_batches
 
-    hyper = dict(HYPER, **(hyper or {}))
     for name, value in (("steps", steps), ("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -529,66 +660,29 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
     max_norm = None if clip is None else checks.positive("clip", clip)
     dp = check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual,
                                batch, schedule, cp, sequence_parallel, int(zero))
-    mesh = Mesh(world, tp=tp, dp=dp, pp=pp, cp=cp)
-    plan = make_schedule(schedule, pp, n_microbatches, n_virtual)
-    world.check_same(f"{schedule} m={n_microbatches} v={n_virtual}", "the pipeline schedule")
-    stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, n_virtual, sequence_parallel,
-                          mesh.cp, balanced)
+    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=int(zero), sp=sequence_parallel,
+                    micro_batches=n_microbatches, virtual=n_virtual, schedule=schedule,
+                    balanced=balanced, clip=max_norm)
+    run = build_stage(world, config, layout, hyper)
+    stage, mesh = run.model, run.mesh
     full = DecoderLM(config).init(seed).params
     ids, targets = make_batches(config, steps, batch, seq, seed)
     check_same_start(world, full, ids, targets)
     stage.load_full(full)
-    p, v, r = pp, n_virtual, mesh.pp_rank
-    holds_last = any(c * p + r == p * v - 1 for c in range(v))
-    # a tied head: the first and the last stage each hold wte; their gradients are summed
-    tied = None
-    if config.tied_head and p > 1 and r in (0, p - 1):
-        tied = mesh.pp.subgroup([0, p - 1], name="embedding")
-    # the stage's whole gradient, summed over the data group (dp, or dp x cp), or its
-    # ZeRO-1 chunks; with clipping, the norm's pieces over tp and the stages
-    clipped = {} if max_norm is None else dict(
-        tp=mesh.tp, tp_mask=tensor_parallel_mask(stage), pp=mesh.pp,
-        counted=counted_mask(stage))                                       # [P_local] each
-    shard = (ZeRO1 if int(zero) == 1 else Replicated)(mesh.data, **clipped)
-    opt = adamw(stage.params, shard, hyper, clip=max_norm)
-    rows = batch // mesh.dp_size
-    b0 = mesh.dp_rank * rows
-    micro = rows // n_microbatches
     losses, grads, sent, out, norms = [], None, [], None, []
     for t in range(steps):
-        stage.params.zero_grad()
-        mb_ids = ids[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)   # [m, B_m, S]
-        mb_targets = targets[t, b0:b0 + rows].reshape(n_microbatches, micro, seq)
-        count = 1.0
-        if holds_last:       # T_c of the global batch: this replica's, summed over dp
-            local = np.array([float(np.sum(mb_targets != IGNORE_INDEX))])
-            total = mesh.dp.all_reduce(backend.asarray(local)) if mesh.dp_size > 1 else local
-            count = max(float(backend.to_numpy(total)[0]), 1.0)
-        before = world.traffic.sent
         dropout = None
         if config.dropout > 0:          # each chunk draws from the step's seed afresh
-            dropout = (lambda t=t: backend.default_rng(10_000 * seed + t),
-                       [(b0 + i * micro, b0 + (i + 1) * micro, batch)
-                        for i in range(n_microbatches)])
-        out = run_pipeline_step(stage, mesh.pp, plan, mb_ids, mb_targets, count, dropout)
-        sent.append(world.traffic.sent - before)
-        if tied is not None:
-            g = stage.params.grad_of("wte")
-            g[...] = xp_reshape(tied.all_reduce(xp_reshape(g, (-1,))), g.shape)
-        opt.step()
-        norms.append(opt.last_norm)
-        losses.append(out["loss"])
+            dropout = (lambda t=t: dict(training=True,
+                                        rng=backend.default_rng(10_000 * seed + t)))
+        loss, out = pipeline_step(run, ids[t], targets[t], batch, dropout)
+        sent.append(out["sent"])
+        norms.append(run.optimizer.last_norm)
+        losses.append(loss)
         if gather and t == steps - 1 and not zero:   # ZeRO-1 sums only its chunk
             grads = gather_full(stage, mesh, config, "grad")
-    # every rank reports the losses: the last stages' shares summed over dp (each replica's
-    # share is its tokens' loss over the global T_c), then sent down the pipeline
-    xp = backend.xp()
-    mine = xp.asarray(np.array(losses if holds_last else [0.0] * steps, dtype=np.float64))
-    if holds_last and mesh.dp_size > 1:
-        mine = mesh.dp.all_reduce(mine)
-    if p > 1:
-        mine = mesh.pp.broadcast(mine, root=p - 1)
-    losses = [float(x) for x in backend.to_numpy(mine)]
+    # every rank reports the losses, shared once the run is over (not part of a step)
+    losses = share_losses(run, losses)
     params = gather_full(stage, mesh, config, "data") if gather else None
     return dict(losses=losses, params=params, grads=grads, record=out["record"],
                 peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],

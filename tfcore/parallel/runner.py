@@ -132,11 +132,13 @@ def train_single(config: DecoderConfig, steps: int, batch: int, seq: int, seed: 
 
 class Run:
     """One rank's training state under a layout: the mesh, the model (the one decoder with
-    this layout's parts), its optimizer and the optimizer's sharding strategy."""
+    this layout's parts; a PipelineStage with pp), its optimizer and the optimizer's
+    sharding strategy. pipeline: what a pipeline's step needs besides (its schedule, the
+    tied embedding's group; pipeline.build_stage), None without pp."""
 
-    def __init__(self, mesh, model, optimizer, shard, layout):
+    def __init__(self, mesh, model, optimizer, shard, layout, pipeline=None):
         self.mesh, self.model, self.optimizer, self.shard = mesh, model, optimizer, shard
-        self.layout = layout
+        self.layout, self.pipeline = layout, pipeline
 
     @property
     def zero(self) -> int:
@@ -144,14 +146,16 @@ class Run:
 
 
 def build(world, config: DecoderConfig, layout: Layout, hyper=None, mesh=None) -> Run:
-    """The model and AdamW of one rank of `layout` (no pipeline), with zeroed parameters:
-    load them (model.load_full, or tfcore.parallel.checkpoint.load_state) before training.
+    """The model and AdamW of one rank of `layout`, with zeroed parameters: load them
+    (model.load_full, or tfcore.parallel.checkpoint.load_state) before training. With
+    pipeline stages (pp) the model is this rank's PipelineStage (pipeline.build_stage).
     mesh: the layout's Mesh on `world`, when already built."""
     from .fsdp import ShardedDecoder
 
     if layout.pp is not None:
-        raise ValueError("build takes a layout without pipeline stages (pp): the pipeline "
-                         "runs its stages through train_pipeline")
+        from .pipeline import build_stage
+
+        return build_stage(world, config, layout, hyper, mesh)
     hyper = dict(HYPER, **(hyper or {}))
     mesh = mesh or Mesh(world, layout.tp, layout.dp, cp=layout.cp)
     layout.validate(config, world=world.size)
@@ -181,8 +185,16 @@ def train_step(run: Run, ids, targets, batch: int, dropout=None, overlap: bool =
     clipped and stepped by the optimizer. dropout: None, or a function giving the forward's
     dropout settings, dict(training=True, rng=...) with a new generator of the step's seed
     (seeded alike on every rank): each micro-batch draws the whole batch's masks afresh and
-    keeps its rows. -> (loss, seconds waited for the gradient's all-reduce)."""
+    keeps its rows. -> (loss, seconds waited for the gradient's all-reduce).
+
+    A pipeline run takes the step of its schedule (pipeline.pipeline_step: no buckets, so
+    no seconds are measured) and shares the loss with every rank, as this step's loss is."""
     mesh, model, layout = run.mesh, run.model, run.layout
+    if run.pipeline is not None:
+        from .pipeline import pipeline_step, share_losses
+
+        loss, _ = pipeline_step(run, ids, targets, batch, dropout)
+        return share_losses(run, [loss])[0], None
     K = layout.micro_batches
     rows = batch // mesh.dp_size
     b0, b1 = mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows
