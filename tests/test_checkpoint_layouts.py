@@ -1,7 +1,7 @@
 """A run's state moves between layouts: saved under one (gather_state: every tensor and both
 AdamW moments under their one-device names) and loaded under another (load_state), it goes
 on as the uninterrupted one-device run does (float64, 1e-12), and bit for bit when the
-layout stays the same."""
+layout stays the same; pipeline stages included (runner.build and train_step run them)."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,6 +48,11 @@ CHAINS = {
         Layout(dp=2, tp=2), Layout(dp=4, zero=3), Layout(), Layout(cp=2, tp=2, zero=1)],
     "TP 2 with SP, ZeRO-1 -> DP 2 x CP 2, ZeRO-2 -> TP 4 (shared KV heads)": [
         Layout(tp=2, dp=2, sp=True, zero=1), Layout(dp=2, cp=2, zero=2), Layout(tp=4)],
+    # pipeline stages: each holds its block, the first wte and wpe, the last the final
+    # norm, the head and its copy of the tied wte (the one-device state holds it once)
+    "DP 2 x TP 2 -> PP 2 x DP 2, ZeRO-1, 2 micro-batches -> one device -> PP 2 x TP 2": [
+        Layout(dp=2, tp=2), Layout(pp=2, dp=2, zero=1, micro_batches=2), Layout(),
+        Layout(pp=2, tp=2, schedule="gpipe")],
 }
 
 
@@ -65,8 +70,9 @@ def test_a_run_resumes_under_other_layouts_as_one_device(name):
     assert _rel(state["params"], reference["params"]) < 1e-12
 
 
-def test_the_same_layout_resumes_bit_for_bit():
-    layout = Layout(dp=2, tp=2, zero=1)
+@pytest.mark.parametrize("layout", [Layout(dp=2, tp=2, zero=1), Layout(pp=2, dp=2)],
+                         ids=["dp2 x tp2, zero1", "pp2 x dp2"])
+def test_the_same_layout_resumes_bit_for_bit(layout):
     straight_losses, straight = _leg(layout, None, 0, 4, 4)
     first, state = _leg(layout, None, 0, 2, 4)
     second, resumed = _leg(layout, state, 2, 4, 4)

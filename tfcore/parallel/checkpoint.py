@@ -6,8 +6,8 @@ and the whole of the rest. `gather_state` rebuilds, on every rank, the state one
 would hold: the parameters and AdamW's two moments as flat buffers [P] in
 DecoderConfig.param_shapes() order, and the step count. `load_state` gives a rank of any
 other layout its share of such a state. So a run saved under DP 2 x TP 2 resumes under
-ZeRO-3 over 4 ranks, under a ring, or on one device, and continues as the uninterrupted
-run would (tests/test_checkpoint_layouts.py):
+ZeRO-3 over 4 ranks, under a ring, in pipeline stages, or on one device, and continues as
+the uninterrupted run would (tests/test_checkpoint_layouts.py):
 
     state = gather_state(run)          # collective; every rank gets the same dict
     ...
@@ -17,6 +17,12 @@ A rank's share of a moment goes through two maps, each the inverse of the other:
 one device's flat [P] <-> this rank's local flat [P_t] (its tensor-parallel blocks, by name:
 parts.shard_tensor / unshard_tensor) <-> the optimizer's view [Z] (the strategy's
 select, and its all-gather back).
+
+A pipeline stage (PipelineStage) holds its own tensors only: its blocks' parameters and
+moments, the first stage the embedding, the last the final norm and the head, and, with a
+tied head, its own copy of wte (whose gradient the two stages sum, so that the copies and
+their moments stay equal). The one-device state holds wte once, the first stage's; a
+stage's local buffer takes, by name, what it holds of one device's.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from .comm import chunk_bounds
 from .fsdp import ShardedDecoder
 from .model import gather_tensors, shard_tensor
 from .optimizer import ZeRO1, ZeRO23
+from .pipeline import PipelineStage, gather_stages
 
 MOMENTS = ("m", "v")
 
@@ -61,16 +68,25 @@ def _view_to_local(run, values):
     return values
 
 
+def _gather(run, get):
+    """One device's flat buffer [P] (host) from get(name) -> this rank's block of `name`."""
+    model = run.model
+    if isinstance(model, PipelineStage):                 # over tp, then over the stages
+        return gather_stages(model, run.mesh, get)
+    return np.asarray(backend.to_numpy(gather_tensors(model.config, model.tp, get)))
+
+
 def gather_state(run) -> dict:
-    """One device's training state from a rank of any layout without a pipeline (collective
-    over the world; every rank returns the same): params, m, v [P] (host), t, skipped."""
+    """One device's training state from a rank of any layout (collective over the world;
+    every rank returns the same): params, m, v [P] (host), t, skipped."""
     model, opt = run.model, run.optimizer
-    state = dict(params=np.asarray(backend.to_numpy(model.gather_full("data"))),
-                 t=int(opt.t), skipped=int(opt.skipped))
+    params = (gather_stages(model, run.mesh, model.params.__getitem__)
+              if isinstance(model, PipelineStage) else model.gather_full("data"))
+    state = dict(params=np.asarray(backend.to_numpy(params)), t=int(opt.t),
+                 skipped=int(opt.skipped))
     for name in MOMENTS:
         local = _view_to_local(run, getattr(opt, name))                  # [P_t]
-        state[name] = np.asarray(backend.to_numpy(
-            gather_tensors(model.config, model.tp, _named(model, local))))   # [P]
+        state[name] = _gather(run, _named(model, local))                 # [P]
     return state
 
 

@@ -708,11 +708,20 @@ def xp_reshape(x, shape):
 
 
 def gather_full(stage: PipelineStage, mesh: Mesh, config: DecoderConfig, which: str):
-    """The single-device flat buffer (host float64) on every rank: each stage's tensors are
-    unsharded over tp, then the stages' tensors collected over pp (objects, not counted)."""
+    """The single-device flat buffer (host) of the parameters (which='data') or their
+    gradients ('grad') on every rank: gather_stages."""
+    return gather_stages(stage, mesh, stage.params.__getitem__ if which == "data"
+                         else stage.params.grad_of)
+
+
+def gather_stages(stage: PipelineStage, mesh: Mesh, get):
+    """One device's flat buffer [P] (host, config.param_shapes() order) on every rank, from
+    get(name) -> this rank's block of tensor `name` (a stage's own tensors): each stage's
+    tensors are unsharded over tp, then the stages' tensors collected over pp (objects, not
+    counted). A tied wte is taken from the first stage (the last one's copy is equal)."""
     from .model import unshard_tensor
 
-    get = stage.params.__getitem__ if which == "data" else stage.params.grad_of
+    config = stage.config
     mine = {}
     for name in stage.params.names:
         local = np.array(backend.to_numpy(get(name)))
