@@ -1,11 +1,13 @@
 """The calculator (plan) with pipeline parallelism equals the simulated pipeline: bytes each
 rank sends in a step (point-to-point and the dp / tied-embedding all-reduces), parameters it
 holds, and the most chunk caches alive at once, for every schedule; the bubble is
-pipeline.bubble_fraction's; layouts it cannot price give None; bad input is refused before
-any work. (The dp x tp x ZeRO layouts are compared with their runs in test_zero.py.)"""
+pipeline.bubble_fraction's; bad input is refused before any work. (The dp x tp x ZeRO
+layouts are compared with their runs in test_zero.py, the composed layouts in
+test_layout_matrix.py.)"""
 from __future__ import annotations
 
 import pytest
+from _model_checks import counted_step_bytes
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import SimulatedGroup, bubble_fraction
@@ -19,20 +21,6 @@ SEQ = 8
 
 def _config(name, n_layers=4):
     return DecoderConfig(**{**CONFIGS[name]().to_dict(), "n_layers": n_layers})
-
-
-def counted_step_bytes(group, results, pp, dp):
-    """Bytes each world rank sent in a one-step run, without the losses the run shares for
-    reporting once it is over (a pp broadcast, and on the last stage a dp all-reduce of the
-    step losses: the last dp call): they are not part of a training step."""
-    counted = []
-    for w, res in enumerate(results):
-        calls = group.traffic[w].calls
-        reporting = [c for c in calls if c.op == "broadcast"]
-        if res["coords"][1] == pp - 1 and dp > 1:
-            reporting.append([c for c in calls if c.group == "dp"][-1])
-        counted.append(group.traffic[w].sent - sum(c.sent for c in reporting))
-    return counted
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
@@ -72,15 +60,26 @@ def test_gpipe_holds_more_caches_than_1f1b_and_interleaving_shrinks_the_bubble()
     assert ("peak caches", "8 8 8 8") in gpipe.rows()
 
 
-def test_layouts_not_priced_give_none_not_a_guess():
+def test_every_layout_that_trains_is_priced_and_the_activations_only_where_known():
+    """Bytes and held state for composed layouts (test_layout_matrix compares them with the
+    runs); the activations are the one-device caches of a micro-batch, and None (not a
+    guess) where the parallel model keeps other caches: tp, pp or cp > 1."""
     config = _config("tiny")
-    for kwargs in (dict(pp=2, tp=2), dict(microbatches=2)):
+    for kwargs in (dict(pp=2, tp=2, microbatches=2), dict(pp=2, dp=2, zero=1),
+                   dict(pp=2, cp=2, microbatches=2), dict(tp=2, microbatches=2)):
         p = plan(config, batch=8, seq=SEQ, **kwargs)
-        assert p.memory is None and p.sent is None and p.traffic is None
+        assert p.sent is not None and p.traffic is not None and p.memory["params"] > 0
+        assert p.memory["activations"] is None
     with pytest.raises(ValueError, match=r"ZeRO-2/3 with pipeline parallelism \(pp=2, "
                                          r"zero=2\)"):
         plan(config, pp=2, dp=2, zero=2, batch=8, seq=SEQ)     # refused: no run trains it
-    assert plan(config, pp=2, dp=2, zero=1, batch=8, seq=SEQ).memory is None  # not priced
+    accumulated = plan(config, microbatches=2, batch=8, seq=SEQ).memory["activations"]
+    assert accumulated == plan(config, batch=4, seq=SEQ).memory["activations"]
+    replicated = plan(config, pp=2, dp=2, batch=8, seq=SEQ).memory_per_rank
+    zero1 = plan(config, pp=2, dp=2, zero=1, batch=8, seq=SEQ).memory_per_rank
+    for r, z in zip(replicated, zero1):           # ZeRO-1 halves AdamW's m, v over dp = 2
+        assert z["params"] == r["params"] and 2 * z["optimizer"] in (
+            r["optimizer"], r["optimizer"] + 16, r["optimizer"] - 16)
     assert plan(config, pp=2, tp=2, microbatches=2, batch=8,
                 seq=SEQ).peak_caches == [2, 2, 1, 1]
 
@@ -120,11 +119,9 @@ def test_context_parallel_refuses_and_declines():
         plan(config, cp=8, batch=2, seq=SEQ)
     with pytest.raises(ValueError, match="balanced must be True or False"):
         plan(config, cp=2, balanced="yes", batch=2, seq=SEQ)
-    p = plan(config, cp=2, microbatches=2, batch=4, seq=SEQ)   # trains; not priced yet
-    assert p.memory is None and p.sent is None and p.traffic is None
-    for kwargs in (dict(dp=2), dict(tp=2), dict(zero=1)):     # priced (the layout matrix
-        p = plan(config, cp=2, batch=4, seq=SEQ, **kwargs)     # checks them against runs)
-        assert p.sent is not None and p.memory["activations"] is None
+    for kwargs in (dict(dp=2), dict(tp=2), dict(zero=1), dict(microbatches=2)):
+        p = plan(config, cp=2, batch=4, seq=SEQ, **kwargs)     # priced (the layout matrix
+        assert p.sent is not None and p.memory["activations"] is None   # checks them)
 
 
 # -- every field of the plan, for several layouts, against what the runs hold and send ------------

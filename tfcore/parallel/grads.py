@@ -111,6 +111,20 @@ def backward_units(params, n_layers: int) -> list[tuple[str, tuple[int, int]]]:
     return units
 
 
+def pack_buckets(sizes, itemsize: int, cap: int) -> list[list[str]]:
+    """[[names]] of each bucket, from the end of the flat buffer: sizes [(name, elements)] in
+    the buffer's order, each bucket at most cap bytes unless one tensor is larger."""
+    buckets, current, size = [], [], 0
+    for name, n in reversed(sizes):
+        if current and (size + n) * itemsize > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    buckets.append(current)
+    return buckets
+
+
 def make_buckets(params, units, bucket_bytes) -> list[dict]:
     """Buckets: [{'range': (start, stop), 'ready': unit label, 'names': [...]}], from the
     end of the flat buffer; each at most bucket_bytes unless one tensor is larger."""
@@ -125,17 +139,9 @@ def make_buckets(params, units, bucket_bytes) -> list[dict]:
             if a <= s and e <= b:
                 unit_of[name] = label
     order = {label: i for i, (label, _) in enumerate(units)}
-    buckets, current = [], []
-    for name in reversed(params.names):
-        a, b = params.offsets[name]
-        size = sum(params.offsets[n][1] - params.offsets[n][0] for n in current)
-        if current and (size + b - a) * itemsize > cap:
-            buckets.append(current)
-            current = []
-        current.append(name)
-    buckets.append(current)
+    sizes = [(n, params.offsets[n][1] - params.offsets[n][0]) for n in params.names]
     out = []
-    for names in buckets:
+    for names in pack_buckets(sizes, itemsize, cap):
         start, stop = params.offsets[names[-1]][0], params.offsets[names[0]][1]
         ready = max((unit_of[n] for n in names), key=order.__getitem__)
         out.append(dict(range=(start, stop), ready=ready, names=names))

@@ -21,6 +21,8 @@ evenly, every rank 2 (N-1)/N M b, where the naive root carries 2 (N-1) M b alone
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .comm import chunk_bounds
 
 
@@ -101,30 +103,45 @@ def local_parameters(config, tp: int, t: int) -> int:
     return P
 
 
+def span_collectives(config, rows: int, seq: int, sp: bool, n_layers: int, first: bool,
+                     last: bool) -> tuple[list, list]:
+    """([(op, M)] forward, [(op, M)] backward): the tensor-parallel calls of one pass of a
+    span of the decoder (pipeline chunk, or the whole model) over [rows, seq] tokens: the
+    embedding when `first`, n_layers blocks (2 sub-layers each), the head and its
+    cross-entropy when `last`. The backward runs each forward call's adjoint (an all-reduce
+    for an all-reduce; sp: a reduce-scatter for an all-gather and back), and recompute='full'
+    runs each block's forward exits again."""
+    act, tok = rows * seq * config.d_model, rows * seq          # [B, S, D], [B, S]
+    enters, exits = int(first) + 2 * n_layers, 2 * n_layers + int(last)
+    if sp:
+        forward = [("reduce_scatter", act)] * enters + [("all_gather", act)] * exits
+        backward = [("reduce_scatter", act)] * exits + [("all_gather", act)] * enters
+        again = [("all_gather", act), ("reduce_scatter", act)] * (2 * n_layers)
+    else:
+        forward = [("all_reduce", act)] * enters
+        backward = [("all_reduce", act)] * exits
+        again = [("all_reduce", act)] * (2 * n_layers)
+    if last:                                                    # cross-entropy: max, sum, pick
+        forward += [("all_reduce", tok)] * 3
+    if config.recompute == "full":
+        backward += again
+    return forward, backward
+
+
 def step_collectives(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool,
                      zero: bool) -> list[tuple[str, str, int]]:
     """[(group, op, M)] of one training step of TensorParallelDecoder + AdamW (its Replicated
     or ZeRO1 strategy), as the model's structure says (forward, backward, optimizer), for
     tensor-parallel rank t = 0 (the replicated tensors and the vocab rows of rank t enter
-    through P_t below)."""
-    L = config.n_layers
-    act = batch_local * seq * config.d_model                  # [B_loc, S, D]
-    tok = batch_local * seq                                   # [B_loc, S]
-    calls = []
-    if sp:
-        calls += [("tp", "reduce_scatter", act)] * (2 * L + 1)  # embedding, 2 exits per layer
-        calls += [("tp", "all_gather", act)] * (2 * L + 1)      # 2 enters per layer, the head
-    else:
-        calls += [("tp", "all_reduce", act)] * (2 * L + 1)      # g: embedding, 2 per layer
-    calls += [("tp", "all_reduce", tok)] * 3                    # cross-entropy: max, sum, pick
+    through P_t below). Without recompute (span_collectives adds its calls)."""
+    forward, backward = span_collectives(replace(config, recompute="none"), batch_local,
+                                         seq, sp, config.n_layers, True, True)
+    calls = [("tp", op, M) for op, M in forward]
     if dp > 1:
         calls += [("dp", "all_reduce", 2)]                      # loss sum and token count
+    calls += [("tp", op, M) for op, M in backward]
     if sp:
-        calls += [("tp", "reduce_scatter", act)] * (2 * L + 1)  # adjoints of the gathers
-        calls += [("tp", "all_gather", act)] * (2 * L + 1)      # adjoints of the scatters
         calls += [("tp", "all_reduce", replicated_elements(config))]
-    else:
-        calls += [("tp", "all_reduce", act)] * (2 * L + 1)      # f*: head, 2 per layer
     return calls
 
 
@@ -214,14 +231,19 @@ def shard_elements(config, tp: int, t: int, dp: int, d: int) -> int:
                for a, b in [chunk_bounds(M, dp)[d]])
 
 
-def zero_collectives(config, tp: int, t: int, dp: int, zero: int) -> list[tuple[str, int]]:
+def zero_collectives(config, tp: int, t: int, dp: int, zero: int, micro_batches: int = 1,
+                     P: int | None = None) -> list[tuple[str, int]]:
     """[(op, M)] over the dp group of one step's gradient and parameter traffic at `zero`
-    (0 = replicated DP), for tensor-parallel rank t: the table above."""
+    (0 = replicated DP), for tensor-parallel rank t: the table above. Stages 0 and 1 sum the
+    accumulated gradient once per step (P: the elements the rank holds, P_t by default; a
+    pipeline stage's fewer); stages 2 and 3 scatter each micro-batch's gradient as its
+    backward frees the unit (and stage 3 gathers the unit for each forward and backward),
+    and stage 2 gathers the updated parameters once."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if dp == 1:
         return []
-    P = local_parameters(config, tp, t)
+    P = local_parameters(config, tp, t) if P is None else P
     if zero == 0:
         return [("all_reduce", P)]
     if zero == 1:
@@ -229,61 +251,148 @@ def zero_collectives(config, tp: int, t: int, dp: int, zero: int) -> list[tuple[
     calls = []
     for _, M, uses in unit_elements(config, tp, t):
         if zero == 2:
-            calls += [("reduce_scatter", M)] * uses + [("all_gather", M)]
+            calls += [("reduce_scatter", M)] * (uses * micro_batches) + [("all_gather", M)]
         else:
-            calls += [("all_gather", M), ("all_gather", M), ("reduce_scatter", M)] * uses
+            calls += [("all_gather", M), ("all_gather", M),
+                      ("reduce_scatter", M)] * (uses * micro_batches)
     return calls
+
+
+def clip_collectives(zero: int, pp: int) -> list[tuple[str, str, int]]:
+    """[(group, op, M)] of the global gradient norm's sums (grads.global_sum_of_squares:
+    one element, all-reduced over each group of each grouping of the pieces): the tensor-
+    parallel shards' sum over tp (and the stages, and the data group when ZeRO shards the
+    gradient), and the replicated tensors' sum over the same groups but tp."""
+    shared = (["data"] if zero else []) + (["pp"] if pp > 1 else [])
+    return [(g, "all_reduce", 1) for g in ["tp"] + shared + shared]
+
+
+def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp: int = 1,
+                   cp: int | None = None, zero: int = 0, sp: bool = False,
+                   micro_batches: int = 1, virtual: int = 1, balanced: bool = True,
+                   clip: bool = False, bucket_bytes: int | None = None,
+                   algorithm: str = "ring", itemsize: int = 8) -> list[dict]:
+    """Bytes each world rank sends in one training step of any layout without gradient
+    buckets, by (group, op): [{(group, op): bytes}] per world rank
+    w = ((d N_P + s) N_C + c) N_T + t (mesh.py). The step, as the one decoder runs it:
+
+      per micro-batch (K of them: B / (N_D K) rows, S_c positions on ring rank c), per chunk
+      of layers rank w holds (pipeline: chunks j N_P + s, j < v, of L / (N_P v) layers each;
+      else one chunk of L), span_collectives' tensor-parallel calls, the ring's blocks of
+      each layer, and after its backward the sums over tp of what each rank computed from
+      its share (sp: the replicated gradients of the rank's tensors; key/value heads shared
+      over tp: their columns), then:
+        pipeline   point-to-point activations and their gradients (pipeline_bytes_sent;
+                   [B_m, S_c / N_T, D] each under sp), the last stage's token count T_c
+                   over dp (and each micro-batch's loss and count over the ring), a
+                   tied wte's gradient between the first and last stage
+        otherwise  the loss and token count over the data group (2 elements) per
+                   micro-batch; with K > 1 the K counts (accumulation weights) over dp
+      the gradient over the data group (dp x cp): zero_collectives of the rank's tensors
+      (ZeRO-2/3 gather and scatter per micro-batch, ZeRO-0/1 once per step; with
+      bucket_bytes an all-reduce of each bucket, grads.pack_buckets, in place of ZeRO-0's
+      all-reduce or ZeRO-1's reduce-scatter), and with
+      clipping the global norm's sums (one element per group, grads.global_sum_of_squares).
+    """
+    import math
+
+    from .context import ContextLayout, ring_attention_bytes
+    from .grads import pack_buckets
+    from .parts import kv_heads_of, shard_rule
+    from .pipeline import pipeline_bytes_sent, stage_layers, stage_param_names
+
+    C, K, D, L = cp or 1, micro_batches, config.d_model, config.n_layers
+    ring = ContextLayout(seq, C, balanced) if cp is not None else None
+    data = dp * C                                          # the gradients' group
+    data_name = "dp" if cp is None else ("cp" if dp == 1 else "dp x cp")
+    micro = batch // dp // K                               # B_m rows
+    shapes = config.param_shapes()
+    out = []
+    for d in range(dp):
+        for s in range(pp):
+            chunks = [j * pp + s for j in range(virtual)] if pp > 1 else [0]
+            names = (stage_param_names(config, pp, s, virtual) if pp > 1
+                     else list(shapes))
+            first, last = 0 in chunks, pp * virtual - 1 in chunks
+            for c in range(C):
+                S_c = ring.local_len(c) if ring is not None else seq
+                for t in range(tp):
+                    by_op: dict = {}
+
+                    def add(group, op, M, n, r):
+                        sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
+                        by_op[(group, op)] = by_op.get((group, op), 0) + sent
+
+                    local = {n: math.prod(local_shape(n, shapes[n], config, tp, t))
+                             for n in names}
+                    replicated = sum(M for n, M in local.items()
+                                     if shard_rule(n) == "replicated")
+                    k0, k1 = kv_heads_of(config, tp, t)
+                    sharing = tp // config.n_kv_heads if config.n_kv_heads < tp else 1
+                    kv_cols = 2 * (k1 - k0) * config.head_dim
+                    kv = sum(math.prod(shapes[n][:-1]) * kv_cols for n in names
+                             if shard_rule(n) == "qkv_cols") if sharing > 1 else 0
+                    for chunk in chunks:
+                        n_layers = (len(stage_layers(config, pp, virtual, chunk)) if pp > 1
+                                    else L)
+                        forward, backward = span_collectives(
+                            config, micro, S_c, sp, n_layers, chunk == 0,
+                            chunk == pp * virtual - 1)
+                        for op, M in (forward + backward) * K:
+                            add("tp", op, M, tp, t)
+                        if sp and tp > 1 and replicated:
+                            for _ in range(K):
+                                add("tp", "all_reduce", replicated, tp, t)
+                        if kv:
+                            for _ in range(K):
+                                add("kv", "all_reduce", kv, sharing, t % sharing)
+                        if ring is not None and n_layers:
+                            moved = ring_attention_bytes(ring, micro, k1 - k0,
+                                                         config.head_dim, itemsize=itemsize)
+                            passes = 2 if config.recompute == "full" else 1
+                            by_op[("cp", "ring")] = by_op.get(("cp", "ring"), 0) + (
+                                K * n_layers * (passes * moved["forward"][c]
+                                                + moved["backward"][c]))
+                    if pp > 1:
+                        tokens = micro * S_c // (tp if sp else 1)
+                        by_op[("pp", "send")] = pipeline_bytes_sent(
+                            pp, s, K, virtual, tokens, D, itemsize)
+                        if last and dp > 1:
+                            add("dp", "all_reduce", 1, dp, d)
+                        if last and C > 1:          # each micro-batch's loss over the ring
+                            for _ in range(K):
+                                add("cp", "all_reduce", 2, C, c)
+                        if config.tied_head and first != last:
+                            add("embedding", "all_reduce", local["wte"], 2, int(last))
+                    elif data > 1:
+                        for _ in range(K):
+                            add(data_name, "all_reduce", 2, data, d * C + c)
+                        if K > 1 and dp > 1:
+                            add("dp", "all_reduce", K, dp, d)
+                    gradient = zero_collectives(config, tp, t, data, zero, K,
+                                                sum(local.values()))
+                    if bucket_bytes is not None and data > 1:    # all-reduced in buckets
+                        gradient = [("all_reduce", sum(local[n] for n in names))
+                                    for names in pack_buckets(list(local.items()), itemsize,
+                                                              bucket_bytes)
+                                    ] + [call for call in gradient if call[0] == "all_gather"]
+                    for op, M in gradient:
+                        add(data_name, op, M, data, d * C + c)
+                    ranks = dict(tp=(tp, t), data=(data, d * C + c), pp=(pp, s))
+                    for group, op, M in clip_collectives(zero, pp) if clip else []:
+                        add(data_name if group == "data" else group, op, M, *ranks[group])
+                    out.append(by_op)
+    return out
 
 
 def step_traffic(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, zero: int,
                  algorithm: str = "ring", itemsize: int = 8, cp: int | None = None,
                  balanced: bool = True) -> list[dict]:
-    """Bytes each world rank sends in one training step (one micro-batch), by (group, op):
-    [{(group, op): bytes}] per world rank w = (d * N_C + c) * tp + t (mesh.py; N_C = 1 and
-    w = d * tp + t without a ring). ZeRO stages 0-3 over the data group (dp, or dp x cp,
-    named "cp" when dp = 1); with a ring (cp) each rank's activations are its positions
-    [B, S_c, D] and every layer adds the ring's forward and backward ("cp", "ring") of its
-    key/value heads; recompute='full' runs each block's forward again in the backward (its
-    collectives once more); key/value heads shared over tp (H_kv < N_T) sum their gradient
-    columns over the sharing ranks ("kv", "all_reduce")."""
-    from .context import ContextLayout, ring_attention_bytes
-    from .parts import kv_heads_of
-
-    C = cp or 1
-    data_name = "dp" if cp is None else ("cp" if dp == 1 else "dp x cp")
-    L, D_h = config.n_layers, config.head_dim
-    ring = ContextLayout(seq, C, balanced) if cp is not None else None
-    out = []
-    for d in range(dp):
-        for c in range(C):
-            S_c = ring.local_len(c) if ring is not None else seq
-            for t in range(tp):
-                calls = step_collectives(config, batch_local, S_c, tp, dp * C, sp, zero)
-                act = batch_local * S_c * config.d_model
-                if config.recompute == "full":   # each block's forward again: its exits
-                    calls += ([("tp", "all_gather", act), ("tp", "reduce_scatter", act)]
-                              if sp else [("tp", "all_reduce", act)]) * (2 * L)
-                calls += [("dp", op, M) for op, M in zero_collectives(config, tp, t, dp * C,
-                                                                      zero)]
-                k0, k1 = kv_heads_of(config, tp, t)
-                sharing = tp // config.n_kv_heads if config.n_kv_heads < tp else 1
-                if sharing > 1:
-                    per_layer = 2 * D_h * (config.d_model + (1 if config.bias else 0))
-                    calls += [("kv", "all_reduce", L * per_layer)]
-                by_op: dict = {}
-                for group, op, M in calls:
-                    n, r = dict(tp=(tp, t), dp=(dp * C, d * C + c),
-                                kv=(sharing, t % sharing))[group]
-                    name = data_name if group == "dp" else group
-                    sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
-                    by_op[(name, op)] = by_op.get((name, op), 0) + sent
-                if ring is not None:
-                    moved = ring_attention_bytes(ring, batch_local, k1 - k0, D_h,
-                                                 itemsize=itemsize)
-                    passes = moved["forward"][c] * (2 if config.recompute == "full" else 1)
-                    by_op[("cp", "ring")] = L * (passes + moved["backward"][c])
-                out.append(by_op)
-    return out
+    """layout_traffic of one step of batch_local rows per data-parallel rank, without a
+    pipeline, accumulation or clipping."""
+    return layout_traffic(config, batch=batch_local * dp, seq=seq, dp=dp, tp=tp, cp=cp,
+                          zero=zero, sp=sp, balanced=balanced, algorithm=algorithm,
+                          itemsize=itemsize)
 
 
 def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
