@@ -134,3 +134,27 @@ def test_seed_002_experiment_parameter_count():
     cfg = AutoencoderConfig(d_model=64, n_heads=4, d_ff=256, n_layers=2, max_seq_len=32)
     per_layer = (4 * 64 * 64 + 4 * 64) + (2 * 64 * 256 + 256 + 64) + 4 * 64
     assert Autoencoder(cfg).num_parameters() == 2 * per_layer == 99_968
+
+
+@pytest.mark.parametrize("changes", [
+    dict(), dict(n_kv_heads=2), dict(attention="tiled", attention_block_size=3),
+    dict(recompute="full"), dict(recompute="selective"),
+    dict(recompute="full", attention="tiled", attention_block_size=4),
+])
+@pytest.mark.parametrize("preset", ["gpt", "llama"])
+def test_step_flops_is_every_product_a_step_runs(preset, changes):
+    """sizes.step_flops (the planner's compute term) equals the matmul FLOPs counted as a
+    forward and backward run them, for GQA, SwiGLU, the tiled op and recomputation."""
+    from tfcore import bench
+    from tfcore.models import DecoderLM, sizes
+
+    base = dict(vocab_size=23, max_seq_len=12, d_model=16, n_layers=2, n_heads=4, d_ff=24,
+                dtype="float64")
+    import dataclasses
+
+    config = dataclasses.replace(DecoderConfig.llama(**base) if preset == "llama"
+                                 else DecoderConfig(**base), **changes)
+    ids = np.random.default_rng(0).integers(0, 23, size=(2, 10))
+    model = DecoderLM(config).init(0)
+    count = bench.count_step_flops(model, ids, ids)
+    assert count.flops == sizes.step_flops(config, 2, 10) > 0

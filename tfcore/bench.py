@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import backend, kernels
-from .models import DecoderConfig, DecoderLM
+from .models import DecoderConfig, DecoderLM, sizes
 from .optim import AdamW
 
 CONFIGS = {
@@ -102,11 +102,10 @@ def formula_flops(n_params: int, cfg: DecoderConfig, batch: int, seq: int) -> in
 
 
 def step_flops(cfg: DecoderConfig, batch: int, seq: int) -> int:
-    """6 T (L (4 D^2 + 2 D F) + D V) + 12 L B S^2 D: the matmuls of a step of the GPT-style
-    decoder with the dense attention, from the shapes (count_step_flops measures them)."""
-    T, D, F_ = batch * seq, cfg.d_model, cfg.d_ff
-    dense = cfg.n_layers * (4 * D * D + 2 * D * F_) + D * cfg.vocab_size
-    return 6 * T * dense + 12 * cfg.n_layers * batch * seq * seq * D
+    """6 T (L (4 D^2 + 2 D F) + D V) + 12 L B S^2 D for the GPT-style decoder with the dense
+    attention: the matmuls of a step, from the shapes (count_step_flops measures them);
+    models.sizes.step_flops for any config."""
+    return sizes.step_flops(cfg, batch, seq)
 
 
 def count_step_flops(model, ids, targets):

@@ -27,6 +27,8 @@ With recomputation (the decoder's `recompute`, chapter 17) a block keeps only it
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 
 import numpy as np
@@ -156,6 +158,31 @@ def decoder_sizes(config, batch: int, seq: int, training: bool = True,
     kv = 2 * c.n_layers * batch * c.max_seq_len * kv_width * f
     return _table(n_params, c.dtype, activations, activation_bytes_per_layer=per_block,
                   logits_bytes=N * V * f, kv_cache_bytes=kv)
+
+
+def step_flops(config, batch: int, seq: int) -> int:
+    """The matmul FLOPs of one training step (forward and backward) of `config` on [B, S]:
+
+        6 T (L (D (D + 2 H_kv D_h) + D^2 + m D F) + D V) + c L A + recompute_flops
+
+    T = B S; the fused qkv, the output projection and the m = 2 (3 with SwiGLU) MLP
+    matrices of each block and the head, 2 T FLOPs per weight forward and 4 T backward;
+    A = 4 B S^2 D, attention's two products forward; c = 3: twice A backward (dV, dP, dQ,
+    dK), and c = 7/2 tiled, whose backward recomputes the scores Q K^T first. (The tiled
+    op skips the tiles above the causal diagonal; like the FLOP counters of the field, and
+    tfcore's own, this counts the dense-equivalent work.) The GPT-style decoder's 6 T (L (4 D^2 + 2 D F) + D V) + 12 L B S^2 D
+    is the case H_kv = H, m = 2, dense (chapter 11 counts it product by product)."""
+    _refuse_moe(config, "step_flops")
+    c, T, D = config, batch * seq, config.d_model
+    tiled = getattr(c, "attention", "dense") == "tiled"
+    attention = 4 * batch * seq * seq * D
+    kv_width = D // c.n_heads * getattr(c, "n_kv_heads", c.n_heads)
+    matrices = 3 if c.mlp == "swiglu" else 2
+    per_layer = D * (D + 2 * kv_width) + D * D + matrices * D * c.d_ff
+    dense = 6 * T * (c.n_layers * per_layer + D * c.vocab_size)
+    products = (7 if tiled else 6) * c.n_layers * attention // 2
+    again = recompute_flops(replace(config, attention="dense"), batch, seq)   # counted alike
+    return dense + products + again
 
 
 def recompute_flops(config, batch: int, seq: int) -> int:
