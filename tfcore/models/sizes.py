@@ -27,9 +27,8 @@ With recomputation (the decoder's `recompute`, chapter 17) a block keeps only it
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import math
+from dataclasses import replace
 
 import numpy as np
 
