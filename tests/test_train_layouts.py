@@ -166,3 +166,173 @@ def test_a_run_extends_its_steps_when_its_rate_is_constant(text, tmp_path):
         T.Trainer.from_checkpoint(cos_path, steps=12)
     with pytest.raises(T.ConfigMismatch, match="can only be extended, not shortened"):
         T.Trainer.from_checkpoint(path, steps=3)
+
+
+# -- pipeline stages ---------------------------------------------------------------------
+
+def _mpiexec():
+    import shutil
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mpi4py")
+    found = (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+             or shutil.which("mpiexec"))
+    if found is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    return found
+
+
+def test_a_text_run_moves_between_dp_tp_and_pipeline_stages(text, tmp_path):
+    """DP 2 x TP 2 for 2 steps, then PP 2 x DP 2 for 2 more, equals 4 one-device steps
+    (losses, evaluations, clipped norms, dropout, the parameters); and a pipeline's
+    checkpoint (PP 2 x TP 2, GPipe, 2 micro-batches) resumes on one device."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_config(text, str(tmp_path / "one")), steps=4)
+    one = T.Trainer(cfg).run()
+    reference = one.history
+    out = str(tmp_path / "layouts")
+    history, path = _leg(dataclasses.replace(cfg, out_dir=out, dp=2, tp=2), 2)
+    history, path = _leg(dataclasses.replace(cfg, out_dir=out, pp=2, dp=2), 4, path)
+    assert len(history["loss"]) == 4 and history["eval_step"] == [2, 4]
+    for key in ("loss", "val_loss", "grad_norm"):
+        assert _rel(history[key], reference[key]) < 1e-12, key
+    final = T.Trainer.from_checkpoint(path, dp=1, pp=None)                  # one device
+    assert _rel(np.asarray(final.params.data), np.asarray(one.params.data)) < 1e-12
+
+    out = str(tmp_path / "pipeline")
+    _, path = _leg(dataclasses.replace(cfg, out_dir=out, pp=2, tp=2, schedule="gpipe",
+                                       micro_batches=2), 2)
+    rest = T.Trainer.from_checkpoint(path, pp=None, tp=1, schedule=None, micro_batches=1)
+    rest.run()
+    assert _rel(rest.history["loss"], reference["loss"]) < 1e-12
+    assert _rel(np.asarray(rest.params.data), np.asarray(one.params.data)) < 1e-12
+
+
+def test_the_pipeline_flags_are_checked_before_any_work(text, tmp_path, capsys):
+    argv = ["--text", text, "--seq-len", "8", "--batch-size", "4", "--d-model", "16",
+            "--n-layers", "2", "--steps", "2", "--warmup-steps", "0", "--no-progress"]
+    bad = tmp_path / "bad"
+    for extra, message in (
+            (["--simulate", "3", "--pp", "2", "--dp", "2"],
+             "--simulate 3 ranks, but the layout dp=2 x pp=2 x tp=1 needs 4"),
+            (["--simulate", "2", "--pp", "3"], "--pp 3 must divide n_layers (2)"),
+            (["--simulate", "2", "--pp", "0"], "--pp must be an integer >= 1, got 0"),
+            (["--simulate", "2", "--pp", "2", "--virtual", "0"], "--virtual must be an "
+                                                                  "integer >= 1, got 0"),
+            (["--simulate", "2", "--pp", "2", "--schedule", "pipedream"],
+             "--schedule: invalid choice: 'pipedream'"),
+            (["--simulate", "2", "--virtual", "2"], "virtual stages without pipeline "
+                                                    "parallelism (virtual=2, pp=None)"),
+            (["--simulate", "2", "--schedule", "gpipe"], "pipeline schedule without "
+                                                         "pipeline parallelism"),
+            (["--simulate", "4", "--pp", "2", "--dp", "2", "--zero", "3"],
+             "ZeRO-2/3 with pipeline parallelism (pp=2, zero=3): a stage keeps"),
+            (["--simulate", "2", "--pp", "2", "--n-layers", "4", "--virtual", "2",
+              "--schedule", "1f1b"], "virtual stages with a one-chunk schedule"),
+            (["--simulate", "2", "--pp", "2", "--n-layers", "4", "--virtual", "2",
+              "--micro-batches", "1"], "--micro-batches (1) must be a multiple of pp (2) "
+                                       "for the interleaved schedule"),
+            (["--simulate", "2", "--pp", "2", "--micro-batches", "3"],
+             "--batch-size the global batch (4) must be divisible by dp x micro_batches"),
+            (["--simulate", "4", "--pp", "2", "--tp", "2", "--n-heads", "3",
+              "--d-model", "18"], "--tp n_heads (3) must be divisible by the "
+                                  "tensor-parallel degree (2)")):
+        try:
+            code = T.main([*argv, "--out-dir", str(bad), *extra])
+        except SystemExit as exit:                  # argparse's own (a choice, a type)
+            code = exit.code
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.startswith("error: argument ") and err.count("\n") == 1, err
+        assert message in err, err
+        assert not bad.exists()                           # nothing was made or written
+    assert T.main([*argv, "--out-dir", str(tmp_path / "ok"), "--simulate", "2", "--pp", "2",
+                   "--micro-batches", "2", "--schedule", "gpipe"]) == 0
+    captured = capsys.readouterr()
+    assert "layout dp=1 x pp=2 x tp=1 (gpipe, 2 micro-batches)" in captured.err
+    assert captured.out.count("checkpoint:") == 1
+
+
+def test_mpiexec_resumes_a_dp_tp_checkpoint_in_pipeline_stages(text, tmp_path):
+    """2 steps at DP 2 x TP 2 (threads), then mpiexec -n 4 python -m tfcore.train --resume
+    ... --pp 2 --dp 2 for 2 more: rank 0 logs once, and the 4 steps are one device's."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    mpiexec = _mpiexec()
+    cfg = dataclasses.replace(_config(text, str(tmp_path / "one")), steps=4)
+    one = T.Trainer(cfg).run()
+    out = tmp_path / "mpi"
+    _, path = _leg(dataclasses.replace(cfg, out_dir=str(out), dp=2, tp=2), 2)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    done = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "tfcore.train",
+                           "--resume", path, "--pp", "2", "--dp", "2", "--tp", "1"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("checkpoint:") == 1                  # rank 0 reports, once
+    log = [line for line in (out / "log.jsonl").read_text().splitlines() if '"loss"' in line]
+    import json
+
+    losses = [json.loads(line)["loss"] for line in log]
+    assert len(losses) == 4
+    assert _rel(losses, one.history["loss"]) < 1e-12
+    meta, arrays = T.read_checkpoint(out / "checkpoint.npz")
+    assert meta["step"] == 4 and meta["config"]["pp"] == 2
+    assert _rel(arrays["params"], np.asarray(one.params.data)) < 1e-12
+
+
+def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_to_resume(text, tmp_path):
+    """mpiexec -n 2 ... --pp 2 saves after every step; at the second save rank 0 (the
+    writer) is killed with SIGKILL once its temporary file is whole and before the rename
+    (the test-only pause T.PAUSE_IN_SAVE holds it there: a kill timed by the clock could
+    land anywhere). The job dies; the checkpoint of step 1 is whole, loads, and the run
+    resumed from it equals the uninterrupted one; its next save removes the dead one's
+    temporary file. Every wait is bounded: the pause (60 s), the marker (120 s), the job."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    mpiexec = _mpiexec()
+    out, marker = tmp_path / "run", tmp_path / "saving.json"
+    argv = ["--text", text, "--seq-len", "8", "--batch-size", "4", "--d-model", "16",
+            "--n-layers", "2", "--steps", "3", "--warmup-steps", "1", "--dtype", "float64",
+            "--no-progress", "--checkpoint-interval", "1", "--dropout", "0.1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               **{T.PAUSE_IN_SAVE: str(marker)})
+    job = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "tfcore.train", *argv,
+                            "--out-dir", str(out), "--pp", "2"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           start_new_session=True)          # its own group: killed whole
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no save reached the pause in 120 s"
+            time.sleep(0.05)
+        saving = json.loads(marker.read_text())
+        os.kill(saving["pid"], signal.SIGKILL)                 # rank 0, inside the save
+        job.communicate(timeout=60)
+        assert job.returncode != 0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert os.path.exists(saving["tmp"])            # the killed save's file, never renamed
+    meta, _ = T.read_checkpoint(out / "checkpoint.npz")
+    assert meta["step"] == 1
+    assert T.main(["--resume", str(out / "checkpoint.npz"), "--simulate", "2"]) == 0
+    assert not os.path.exists(saving["tmp"])
+    straight = tmp_path / "straight"
+    assert T.main([*argv, "--out-dir", str(straight)]) == 0
+    ours = T.read_checkpoint(out / "checkpoint.npz")
+    theirs = T.read_checkpoint(straight / "checkpoint.npz")
+    assert ours[0]["step"] == 3
+    assert _rel(ours[1]["params"], theirs[1]["params"]) < 1e-12
+    assert _rel(ours[0]["history"]["loss"], theirs[0]["history"]["loss"]) < 1e-12

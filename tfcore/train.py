@@ -128,14 +128,19 @@ class TrainConfig:
     checkpoint_interval: int = 0  # save every this many steps (0: only at the end)
     progress: bool = True         # show a tqdm progress bar and the evaluations
     # the layout (tfcore.parallel.Layout; the text tasks): ranks of data, tensor and context
-    # parallelism, the ZeRO stage, sequence parallelism and micro-batches per step. A run
-    # may resume under another layout: a checkpoint holds one device's state
+    # parallelism, the ZeRO stage, sequence parallelism and micro-batches per step (with pp:
+    # the pipeline's), pipeline stages, virtual stages (model chunks) per pipeline rank and
+    # the pipeline's schedule (None: 1f1b, interleaved with virtual > 1). A run may resume
+    # under another layout: a checkpoint holds one device's state
     dp: int = 1
     tp: int = 1
     cp: int | None = None
     zero: int = 0
     sp: bool = False
     micro_batches: int = 1
+    pp: int | None = None
+    virtual: int = 1
+    schedule: str | None = None
 
     def __post_init__(self):
         family = task_family(self.task) if isinstance(self.task, str) else None
@@ -223,7 +228,23 @@ class TrainConfig:
                 raise ConfigError(name, f"must be True or False, got {value!r}")
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
             raise ConfigError("out_dir", f"must be a path, got {self.out_dir!r}")
-        self.layout()
+        layout = self.layout()
+        try:       # the refusals and sizes that need no model, before any work
+            layout.validate(batch=self.batch_size,
+                            seq=self.seq_len if family == "text" else None)
+        except ValueError as err:
+            raise layout_error(err, self) from None
+        if self.pp is not None and self.n_layers % (self.pp * self.virtual):
+            times = ("" if self.virtual == 1 else
+                     f" (times --virtual {self.virtual} = {self.pp * self.virtual})")
+            raise ConfigError("pp", f"{self.pp}{times} must divide n_layers "
+                              f"({self.n_layers}): every virtual stage holds the same number "
+                              "of blocks")
+        if layout.pp is not None and layout.pipeline_schedule == "interleaved" and (
+                self.micro_batches % self.pp):
+            raise ConfigError("micro_batches", f"({self.micro_batches}) must be a multiple "
+                              f"of pp ({self.pp}) for the interleaved schedule: micro-batches "
+                              "go through the chunks in groups of pp")
         defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in LAYOUT_FIELDS}
         given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]]
         if given and family != "text":
@@ -233,26 +254,56 @@ class TrainConfig:
 
     def layout(self):
         """The run's tfcore.parallel.Layout (its fields' own checks, ConfigError naming it)."""
-        from .parallel.layout import Layout
+        from .parallel.layout import SCHEDULES, Layout
 
-        for name in ("dp", "tp", "micro_batches"):
+        for name in ("dp", "tp", "micro_batches", "virtual"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
-        if self.cp is not None and (isinstance(self.cp, bool) or not isinstance(
-                self.cp, (int, np.integer)) or self.cp < 1):
-            raise ConfigError("cp", f"must be an integer >= 1, got {self.cp!r}")
+        for name in ("cp", "pp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, np.integer)) or value < 1):
+                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
-        return Layout(dp=int(self.dp), tp=int(self.tp), cp=self.cp, zero=int(self.zero),
-                      sp=bool(self.sp), micro_batches=int(self.micro_batches),
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}, got "
+                              f"{self.schedule!r}")
+        return Layout(dp=int(self.dp), tp=int(self.tp), cp=None if self.cp is None
+                      else int(self.cp), zero=int(self.zero), sp=bool(self.sp),
+                      micro_batches=int(self.micro_batches),
+                      pp=None if self.pp is None else int(self.pp),
+                      virtual=int(self.virtual), schedule=self.schedule,
                       clip=self.grad_clip or None)
+
+
+def parallel_field(config: TrainConfig) -> str:
+    """The first layout degree above 1 (dp, tp, pp, cp): the flag a wrong number of ranks
+    is reported on."""
+    return next((f for f in ("dp", "tp", "pp", "cp") if (getattr(config, f) or 1) > 1), "dp")
+
+
+def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
+    """Layout.validate's refusal as a ConfigError naming the first of its fields that is a
+    setting (its flag), with the refusal's own line: the combination and the reason."""
+    rule = getattr(err, "rule", None)
+    if rule is None:                 # a size: the batch, the sequence, the world
+        text = str(err)
+        field = ("batch_size" if "global batch" in text else
+                 "seq_len" if "seq" in text else parallel_field(config))
+        return ConfigError(field, text)
+    field = next((f for f in rule.fields if f in LAYOUT_FIELDS + ("clip", "dropout")),
+                 "dp")
+    field = "grad_clip" if field == "clip" else field
+    return ConfigError(field, f"{getattr(config, field)!r}: {err}")
 
 
 # Fields that may differ between a checkpoint and the run that resumes it: they change
 # where files go and how often we look, or the layout (whose runs equal one device's to
 # rounding), never the trajectory of the parameters.
-LAYOUT_FIELDS = ("dp", "tp", "cp", "zero", "sp", "micro_batches")
+LAYOUT_FIELDS = ("dp", "tp", "cp", "zero", "sp", "micro_batches", "pp", "virtual",
+                 "schedule")
 FREE_FIELDS = ("out_dir", "eval_interval", "eval_batches", "checkpoint_interval", "progress",
                *LAYOUT_FIELDS)
 
@@ -392,25 +443,18 @@ class Trainer:
     def _build_parallel(self, world):
         """The one decoder on this rank of the layout (tfcore.parallel.runner.build), its
         AdamW, and its share of DecoderLM(model_config).init(seed)."""
-        from .parallel.layout import LayoutError
         from .parallel.runner import build
 
         cfg, layout = self.config, self.layout
         if world is None:
-            raise ConfigError(LAYOUT_FIELDS[0] if cfg.dp > 1 else "tp",
-                              f"asks for {layout.world_size} ranks: run under mpiexec -n "
-                              f"{layout.world_size}, or with --simulate {layout.world_size}")
+            raise ConfigError(parallel_field(cfg), f"asks for {layout.world_size} ranks: run "
+                              f"under mpiexec -n {layout.world_size}, or with --simulate "
+                              f"{layout.world_size}")
         try:
             layout.validate(self.model_config, world=world.size, batch=cfg.batch_size,
                             seq=cfg.seq_len)
-        except LayoutError as err:
-            field = next(f for f in err.rule.fields if f in LAYOUT_FIELDS + ("clip",))
-            raise ConfigError("grad_clip" if field == "clip" else field,
-                              f"{getattr(cfg, 'grad_clip' if field == 'clip' else field)!r}: "
-                              f"{err}") from None
         except ValueError as err:
-            raise ConfigError("dp" if "ranks" in str(err) or "batch" in str(err)
-                              else "seq_len", str(err)) from None
+            raise layout_error(err, cfg) from None
         hyper = dict(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                      weight_decay=cfg.weight_decay)
         try:
@@ -471,6 +515,18 @@ class Trainer:
         """Mean loss over eval_batches fixed validation batches (digit tasks: 500 held-out
         sequences, with their exact-match accuracy)."""
         cfg = self.config
+        if self.val_batches is not None and self.layout.pp is not None \
+                and self.run_state is not None:
+            # the pipeline's forward-only schedule: each stage runs its blocks on every
+            # micro-batch, the last one's losses are summed (no rank gathers the model)
+            from .parallel.pipeline import pipeline_loss
+
+            self.val_batches.state = self._val_state
+            losses = [pipeline_loss(self.run_state,
+                                    *(np.asarray(backend.to_numpy(a))
+                                      for a in self.val_batches.next()), cfg.batch_size)
+                      for _ in range(cfg.eval_batches)]
+            return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
         if self.val_batches is not None and self.run_state is not None:
             self.val_batches.state = self._val_state
             mesh, B = self.run_state.mesh, cfg.batch_size
@@ -804,6 +860,7 @@ def atomic_write(path: Path, arrays: dict) -> None:
             _write_npz(f, arrays)
             f.flush()
             os.fsync(f.fileno())
+        _pause_for_test(path, tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -817,6 +874,25 @@ def atomic_write(path: Path, arrays: dict) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+PAUSE_IN_SAVE = "TFCORE_TEST_PAUSE_IN_SAVE"
+
+
+def _pause_for_test(path: Path, tmp: str) -> None:
+    """A test's window into a save, off unless the environment variable PAUSE_IN_SAVE names
+    a marker file: then a save that would replace an existing checkpoint, its temporary
+    file whole, writes the marker (JSON: this process's id, the temporary file) and sleeps
+    up to 60 s before the rename. tests/test_train_layouts.py kills the writing rank there
+    with SIGKILL, a point no timing could hit reliably; the sleep is bounded so that a run
+    nobody kills still finishes."""
+    marker = os.environ.get(PAUSE_IN_SAVE)
+    if not marker or not path.exists():
+        return
+    note = Path(marker)
+    note.with_suffix(".part").write_text(json.dumps({"pid": os.getpid(), "tmp": tmp}))
+    os.replace(note.with_suffix(".part"), note)          # the test reads it whole
+    time.sleep(60)
 
 
 def _check_entry_sizes(path: Path) -> None:
@@ -950,6 +1026,12 @@ def flag(field: str) -> str:
 
 CHOICES = {"task": TASKS, "dtype": FLOAT_DTYPES, "norm": ("layernorm", "rmsnorm"),
            "mlp": ("gelu", "relu", "swiglu"), "position": ("learned", "sinusoidal", "rotary")}
+# what a flag does, where its name and default do not say it
+HELP = {"pp": "pipeline stages: consecutive blocks on each rank (default: no pipeline)",
+        "virtual": "model chunks per pipeline rank, for the interleaved schedule (default 1)",
+        "schedule": "the pipeline's schedule (default 1f1b; interleaved with --virtual > 1)",
+        "micro_batches": "micro-batches per step: the pipeline's, or gradient accumulation "
+                         "(default 1)"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -970,12 +1052,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="run a parallel layout's N ranks as threads of this process "
                              "(without it, a layout of more than one rank runs under "
                              "mpiexec -n N, one rank per process)")
+    from .parallel.layout import SCHEDULES
+
     for f in fields(TrainConfig):
         if f.type in (bool, "bool", "bool | None"):
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
                                 default=None)
-        elif f.name in CHOICES:
-            parser.add_argument(flag(f.name), choices=CHOICES[f.name], default=None)
+        elif f.name in CHOICES or f.name == "schedule":
+            parser.add_argument(flag(f.name), choices=CHOICES.get(f.name, SCHEDULES),
+                                default=None, help=HELP.get(f.name))
         else:
             kind = {"int": int, "float": float, "str": str, "int | None": int,
                     "str | None": str}[str(f.type)]
@@ -986,7 +1071,7 @@ def _parser() -> argparse.ArgumentParser:
                        "a UTF-8 file: sets --task text" if f.name == "text" else
                        repr(f.default))
             parser.add_argument(flag(f.name), type=kind, default=None, metavar=metavar,
-                                help=f"(default {default})")
+                                help=HELP.get(f.name, f"(default {default})"))
     return parser
 
 
@@ -1081,7 +1166,8 @@ def _main(argv) -> int:
                           f"{ranks}): give --simulate {ranks}") from None
     if MPI.COMM_WORLD.Get_size() != ranks:
         started = MPI.COMM_WORLD.Get_size()
-        raise ConfigError("dp", f"the layout {config.layout().shape()} needs {ranks} ranks, "
+        raise ConfigError(parallel_field(config), f"the layout {config.layout().shape()} "
+                          f"needs {ranks} ranks, "
                           f"but {started} {'was' if started == 1 else 'were'} started: run "
                           f"mpiexec -n {ranks}, or give --simulate {ranks}")
     from .parallel.comm import MPIComm, abort_on_error
@@ -1109,7 +1195,12 @@ def _report(trainer: "Trainer", resume) -> int:
                                                               "param_shapes") else None
         count = (sum(int(np.prod(s)) for s in size.values()) if size is not None
                  else trainer.model.num_parameters())
-        where = "" if trainer.world is None else f", layout {trainer.layout.shape()}"
+        layout = trainer.layout
+        where = "" if trainer.world is None else f", layout {layout.shape()}"
+        if trainer.world is not None and layout.pp is not None:
+            where += (f" ({layout.pipeline_schedule}, {layout.micro_batches} micro-batches"
+                      + (f", {layout.virtual} chunks per rank" if layout.virtual > 1 else "")
+                      + ")")
         print(f"model: {count:,} parameters, task {cfg.task}, {cfg.steps} steps, backend "
               f"{backend.get_backend()}{where}, output {cfg.out_dir}", file=sys.stderr)
     if trainer.step >= cfg.steps:
