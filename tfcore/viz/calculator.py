@@ -197,7 +197,8 @@ _STYLE = """
 .tfcore-calculator { margin: 0.5em 0 1em; }
 .tfcore-calculator form { display: grid; gap: 0.4em 0.8em;
   grid-template-columns: repeat(auto-fill, minmax(9em, 1fr)); margin-bottom: 0.8em; }
-.tfcore-calculator label { display: flex; flex-direction: column; font-size: 0.85em; }
+.tfcore-calculator label { display: flex; flex-direction: column; font-size: 0.85em;
+  justify-content: space-between; }
 .tfcore-calculator label.tc-check { flex-direction: row; align-items: center; gap: 0.4em; }
 .tfcore-calculator select, .tfcore-calculator input[type=number] { width: 100%;
   box-sizing: border-box; font: inherit; }
