@@ -226,7 +226,8 @@ def test_every_field_of_the_plan(kind, kw):
                                                           if k != "seq"})
     assert {x.name for x in dataclasses.fields(p)} == {
         "layout", "memory", "memory_per_rank", "traffic", "traffic_per_rank", "sent",
-        "bubble", "peak_caches"}
+        "bubble", "peak_caches", "time"}
+    assert p.time is None                             # no cluster given
     # layout: what was asked, with the defaults filled in
     expect = dict(dp=1, tp=1, pp=1, cp=1, zero=0, microbatches=1, virtual=1, dtype=dtype)
     expect.update(kw)
@@ -306,3 +307,57 @@ def test_the_calculator_is_tfcore_parallel_plan():
         importlib.import_module("tfcore.parallel.plan")
     assert callable(tfcore.parallel.plan)
     assert tfcore.parallel.plan is importlib.import_module("tfcore.parallel.planning").plan
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_mixed_precision_state_is_16_bytes_a_parameter_sharded_by_the_zero_stage(dp):
+    """bf16 weights and gradients, float32 master weights, m and v: over the dp ranks
+    (the chunks add up to Psi = P elements, so the mean is exact) DP holds 16 Psi, ZeRO-1
+    4 Psi + 12 Psi / N_D, ZeRO-2 2 Psi + 14 Psi / N_D and ZeRO-3 16 Psi / N_D, each plus the
+    units it gathers at once (ZeRO-2: their gradients; ZeRO-3: weights and gradients)."""
+    from tfcore.parallel.volume import local_parameters
+
+    config = _config("tiny")
+    Psi = local_parameters(config, 1, 0)
+    expect = {0: 16 * Psi * dp, 1: 4 * Psi * dp + 12 * Psi, 2: 2 * Psi * dp + 14 * Psi,
+              3: 16 * Psi}
+    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+        p = plan(config, dp=dp, zero=zero, batch=8, seq=SEQ, mixed_precision="bf16")
+        held = [m["params"] + m["grads"] + m["optimizer"]
+                - m["gathered"] * ((zero >= 2) + (zero == 3)) for m in p.memory_per_rank]
+        assert sum(held) == expect[zero], zero
+        assert all(m["activations"] is None for m in p.memory_per_rank)
+        assert p.traffic == plan(config, dp=dp, zero=zero, batch=8, seq=SEQ,
+                                 dtype="bfloat16").traffic       # 2-byte messages
+    with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16' or 'fp16'"):
+        plan(config, batch=8, seq=SEQ, mixed_precision="fp8")
+
+
+def test_the_step_time_adds_its_terms_and_names_the_largest():
+    """compute = step FLOPs / N / flops; communication = the slowest rank's bytes /
+    bandwidth + latency x rounds; bubble = compute x (p - 1) / (v m); no overlap."""
+    from tfcore.models.sizes import step_flops
+    from tfcore.parallel import Cluster, Layout
+
+    config = _config("tiny")
+    slow = Cluster(flops=1e9, bandwidth=1e6)
+    p = plan(config, Layout(dp=2, pp=2, micro_batches=2), batch=8, seq=SEQ, cluster=slow)
+    T = p.time
+    assert T["compute"] == step_flops(config, 8, SEQ) / 4 / 1e9
+    assert T["bubble"] == T["compute"] * p.bubble == T["compute"] * 1 / 2
+    assert T["communication"] == max(p.sent) / 1e6
+    assert T["total"] == T["compute"] + T["communication"] + T["bubble"]
+    assert T["dominant"] == max(("compute", "communication", "bubble"), key=T.get)
+    fast = plan(config, Layout(dp=2, pp=2, micro_batches=2), batch=8, seq=SEQ,
+                cluster=Cluster(flops=1e9, bandwidth=2e6)).time
+    assert fast["communication"] == T["communication"] / 2
+    latent = plan(config, Layout(dp=2, pp=2, micro_batches=2), batch=8, seq=SEQ,
+                  cluster=Cluster(flops=1e9, bandwidth=1e6, latency=1e-3)).time
+    assert latent["communication"] > T["communication"]
+    assert ("time dominated by", T["dominant"]) in p.rows()
+    for bad in (dict(flops=0, bandwidth=1.0), dict(flops=1.0, bandwidth=float("inf")),
+                dict(flops=1.0, bandwidth=1.0, latency=-1.0)):
+        with pytest.raises(ValueError, match="Cluster"):
+            Cluster(**bad)
+    with pytest.raises(ValueError, match="cluster must be a Cluster"):
+        plan(config, batch=8, seq=SEQ, cluster=dict(flops=1.0))

@@ -17,7 +17,8 @@ interface.
     volume      closed forms of bytes per collective and per step, parameters per rank
     runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
     planning    plan(config, dp=, tp=, ...), the calculator: memory per rank, bytes per
-                step and bubble of a layout (also tfcore.parallel.plan)
+                step, bubble and (on a stated Cluster) the step time of a layout (also
+                tfcore.parallel.plan)
 """
 from .comm import (  # noqa: F401
     CallRecord,
@@ -34,4 +35,4 @@ from .mesh import Mesh  # noqa: F401
 from .model import TensorParallelDecoder  # noqa: F401
 from .optimizer import Replicated, ZeRO1, ZeRO23  # noqa: F401
 from .pipeline import bubble_fraction, peak_stored_microbatches  # noqa: F401
-from .planning import Plan, plan  # noqa: F401
+from .planning import Cluster, Plan, plan  # noqa: F401

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..models.sizes import decoder_sizes
+from ..models.sizes import decoder_sizes, step_flops
 from .comm import chunk_bounds
 from .context import ContextLayout
 from .layout import Layout
@@ -57,6 +57,9 @@ from .pipeline import (
 from .volume import layout_traffic, local_shape, zero_memory
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+# bytes per element of each kind of state under mixed precision: low-precision weights and
+# gradients, float32 master weights with AdamW's m and v (4 + 4 + 4) on the optimizer side
+MIXED = dict(params=2, grads=2, gathered=2, optimizer=12)
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -70,6 +73,7 @@ class Plan:
     sent: list | None
     bubble: float
     peak_caches: list | None = None
+    time: dict | None = None
 
     def rows(self) -> list[tuple[str, str]]:
         """(quantity, value) rows for a small table: MiB for memory, KiB for traffic."""
@@ -84,7 +88,47 @@ class Plan:
         if self.peak_caches is not None:
             out.append(("peak caches", " ".join(map(str, self.peak_caches))))
         out.append(("bubble", f"{self.bubble:.3f}"))
+        if self.time is not None:
+            for key in ("compute", "communication", "bubble", "total"):
+                out.append((f"time {key}", f"{self.time[key] * 1e3:.3f} ms"))
+            out.append(("time dominated by", self.time["dominant"]))
         return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A stated machine for the step time: every rank alike.
+    flops      FLOP/s one rank sustains on the step's matmuls (chapter 11's roofline: a
+               training step's products sit at the compute roof, so the FLOPs set it)
+    bandwidth  bytes/s one rank sends over its link (beta = 1 / bandwidth)
+    latency    seconds per round of messages (alpha)"""
+    flops: float
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self):
+        for name in ("flops", "bandwidth", "latency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and (value > 0 or name == "latency" and value == 0)):
+                raise ValueError(f"Cluster.{name} must be a finite number > 0"
+                                 f"{' (or 0)' if name == 'latency' else ''}, got {value!r}")
+
+
+def step_time(config, batch: int, seq: int, world: int, sent: int, rounds: int,
+              bubble: float, cluster: Cluster) -> dict:
+    """Seconds of one step on `cluster`, term by term, without overlap (an upper bound: the
+    overlap chapter hides part of the communication behind the backward):
+      compute        sizes.step_flops(config, B, S) / N / flops   (the work spread evenly
+                     over the N ranks)
+      communication  sent / bandwidth + latency x rounds   (the busiest rank's alpha-beta)
+      bubble         compute x (p - 1) / (v m)   (the pipeline's idle time)
+      total          their sum;  dominant: the largest term's name."""
+    compute = step_flops(config, batch, seq) / world / cluster.flops
+    terms = dict(compute=compute,
+                 communication=sent / cluster.bandwidth + cluster.latency * rounds,
+                 bubble=compute * bubble)
+    return dict(terms, total=sum(terms.values()), dominant=max(terms, key=terms.get))
 
 
 def _positive_int(name, value):
@@ -96,7 +140,8 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
          cp: int = 1, zero: int = 0, batch: int, seq: int, microbatches: int = 1,
          virtual: int = 1, dtype: str = "float64", algorithm: str = "ring",
          schedule: str | None = None, balanced: bool = True, sp: bool = False,
-         clip: bool = False) -> Plan:
+         clip: bool = False, cluster: Cluster | None = None,
+         mixed_precision: str | None = None) -> Plan:
     """Memory per rank, bytes per rank per step and the bubble of training `config` on a
     dp x tp (x pp) mesh with ZeRO stage `zero`, global batch [batch, seq]; with pp > 1 the
     pipeline runs `schedule` ('gpipe', '1f1b', 'interleaved'; default 1f1b, interleaved when
@@ -105,7 +150,13 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     microbatches > 1 accumulates the gradient; sp: sequence parallelism inside tensor
     parallelism; clip: clipping by the global norm. `layout`: a Layout in place of those
     keywords (pp and cp None are 1; its bucket_bytes prices the buckets' all-reduces).
-    Raises ValueError for a layout that cannot run (Layout.validate's refusals first),
+    mixed_precision 'bf16' or 'fp16': the state a GPU run holds, 2 + 2 + 12 bytes per
+    parameter (low-precision weights and gradients, float32 master weights and AdamW's m,
+    v: ZeRO-1 shards the 12, ZeRO-2 the gradients too, ZeRO-3 all 16), and 2-byte
+    activations and messages (dtype is then ignored; tfcore's own mixed precision keeps
+    float32 arrays holding low-precision values, chapter 18).
+    cluster: a Cluster, for p.time (step_time: compute, communication, bubble, total,
+    dominant). Raises ValueError for a layout that cannot run (Layout.validate's refusals first),
     before any work."""
     layout_buckets = None
     if layout is not None:
@@ -131,6 +182,11 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         _positive_int(name, value)
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    if mixed_precision not in (None, "bf16", "fp16"):
+        raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got "
+                         f"{mixed_precision!r}")
     if dtype not in ITEMSIZE:
         raise ValueError(f"dtype must be one of {tuple(ITEMSIZE)}, got {dtype!r}")
     if algorithm not in ("ring", "naive"):
@@ -175,6 +231,8 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         layout["sp"] = True
     if clip:
         layout["clip"] = True
+    if mixed_precision:
+        layout["mixed_precision"] = mixed_precision
     bubble = float(bubble_fraction(pp, microbatches, virtual))
     peak = None
     if pp > 1:
@@ -182,16 +240,21 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
                 for d in range(dp) for s in range(pp) for c in range(cp) for t in range(tp)]
     if layout_buckets is not None:
         layout["bucket_bytes"] = layout_buckets
-    f = ITEMSIZE[dtype]
+    f = 2 if mixed_precision else ITEMSIZE[dtype]
+    rounds: list = []
     traffic_per_rank = layout_traffic(
         config, batch=batch, seq=seq, dp=dp, tp=tp, pp=pp, cp=cp if cp > 1 else None,
         zero=zero, sp=sp, micro_batches=microbatches, virtual=virtual, balanced=balanced,
-        clip=clip, bucket_bytes=layout_buckets, algorithm=algorithm, itemsize=f)
+        clip=clip, bucket_bytes=layout_buckets, algorithm=algorithm, itemsize=f,
+        rounds=rounds)
     activations = None
-    if tp == 1 and pp == 1 and cp == 1 and dtype in ("float32", "float64"):
+    if tp == 1 and pp == 1 and cp == 1 and not mixed_precision and dtype in (
+            "float32", "float64"):
         activations = decoder_sizes(replace(config, dtype=dtype),       # one micro-batch
                                     batch // (dp * microbatches), seq)["activation_bytes"]
-    memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero, f,
+    memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero,
+                             MIXED if mixed_precision else dict(
+                                 params=f, grads=f, gathered=f, optimizer=2 * f),
                              activations)
                        for d in range(dp) for s in range(pp) for c in range(cp)
                        for t in range(tp)]
@@ -200,23 +263,31 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     sent = [sum(r.values()) for r in traffic_per_rank]
     fullest = max(range(len(memory_per_rank)), key=lambda w: memory_per_rank[w]["total"])
     busiest = max(range(len(sent)), key=lambda w: sent[w])
+    time = None
+    if cluster is not None:
+        slowest = max(range(len(sent)), key=lambda w: (
+            sent[w] / cluster.bandwidth + cluster.latency * rounds[w]))
+        time = step_time(config, batch, seq, len(sent), sent[slowest], rounds[slowest],
+                         bubble, cluster)
     return Plan(layout, memory_per_rank[fullest], memory_per_rank,
-                traffic_per_rank[busiest], traffic_per_rank, sent, bubble, peak)
+                traffic_per_rank[busiest], traffic_per_rank, sent, bubble, peak, time)
 
 
-def _held(config, tp, t, pp, s, virtual, data, r, zero, f, activations) -> dict:
+def _held(config, tp, t, pp, s, virtual, data, r, zero, size, activations) -> dict:
     """Bytes rank (s, t), rank r of its data group, holds at the step's peak: zero_memory's
-    parameters, gradients and AdamW state, of the pipeline stage's tensors (ZeRO-1 at most
-    with pp) or the whole model's; and the activations when priced."""
+    parameters, gradients and AdamW state (its elements times size[kind], bytes per
+    element), of the pipeline stage's tensors (ZeRO-1 at most with pp) or the whole
+    model's; and the activations when priced."""
     if pp > 1:
         shapes = config.param_shapes()
         P = sum(math.prod(local_shape(n, shapes[n], config, tp, t))
                 for n in stage_param_names(config, pp, s, virtual))        # P_s,t
         a, b = chunk_bounds(P, data)[r]
-        m = dict(params=P * f, grads=P * f, optimizer=2 * (P if zero == 0 else b - a) * f,
-                 gathered=0)
+        m = dict(params=P, grads=P, optimizer=(P if zero == 0 else b - a), gathered=0)
     else:
-        m = zero_memory(config, tp, t, data, r, zero, f)
+        m = zero_memory(config, tp, t, data, r, zero, 1)
+        m["optimizer"] //= 2                          # the elements of the chunk, once
+    m = {k: v * size[k] for k, v in m.items()}
     m["activations"] = activations
     m["total"] = m["params"] + m["grads"] + m["optimizer"] + (activations or 0)
     return m

@@ -271,7 +271,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                    cp: int | None = None, zero: int = 0, sp: bool = False,
                    micro_batches: int = 1, virtual: int = 1, balanced: bool = True,
                    clip: bool = False, bucket_bytes: int | None = None,
-                   algorithm: str = "ring", itemsize: int = 8) -> list[dict]:
+                   algorithm: str = "ring", itemsize: int = 8,
+                   rounds: list | None = None) -> list[dict]:
     """Bytes each world rank sends in one training step of any layout without gradient
     buckets, by (group, op): [{(group, op): bytes}] per world rank
     w = ((d N_P + s) N_C + c) N_T + t (mesh.py). The step, as the one decoder runs it:
@@ -293,6 +294,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
       bucket_bytes an all-reduce of each bucket, grads.pack_buckets, in place of ZeRO-0's
       all-reduce or ZeRO-1's reduce-scatter), and with
       clipping the global norm's sums (one element per group, grads.global_sum_of_squares).
+    rounds: a list to which each rank's rounds of messages are appended (collective_rounds
+    per call, a pipeline message each, the ring's N_C - 1 per pass of a layer).
     """
     import math
 
@@ -318,10 +321,13 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                 S_c = ring.local_len(c) if ring is not None else seq
                 for t in range(tp):
                     by_op: dict = {}
+                    steps = 0                     # rounds of messages, for the latency
 
                     def add(group, op, M, n, r):
+                        nonlocal steps
                         sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
                         by_op[(group, op)] = by_op.get((group, op), 0) + sent
+                        steps += collective_rounds(op, algorithm, n)
 
                     local = {n: math.prod(local_shape(n, shapes[n], config, tp, t))
                              for n in names}
@@ -353,10 +359,12 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                             by_op[("cp", "ring")] = by_op.get(("cp", "ring"), 0) + (
                                 K * n_layers * (passes * moved["forward"][c]
                                                 + moved["backward"][c]))
+                            steps += K * n_layers * (passes + 1) * (C - 1)
                     if pp > 1:
                         tokens = micro * S_c // (tp if sp else 1)
                         by_op[("pp", "send")] = pipeline_bytes_sent(
                             pp, s, K, virtual, tokens, D, itemsize)
+                        steps += pipeline_bytes_sent(pp, s, K, virtual, 1, 1, 1)
                         if last and dp > 1:
                             add("dp", "all_reduce", 1, dp, d)
                         if last and C > 1:          # each micro-batch's loss over the ring
@@ -382,7 +390,19 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     for group, op, M in clip_collectives(zero, pp) if clip else []:
                         add(data_name if group == "data" else group, op, M, *ranks[group])
                     out.append(by_op)
+                    if rounds is not None:
+                        rounds.append(steps)
     return out
+
+
+def collective_rounds(op: str, algorithm: str, n: int) -> int:
+    """Rounds of messages one rank waits through in a collective over n ranks (each costs
+    the link's latency alpha): the ring's all-reduce 2 (n - 1), its reduce-scatter and
+    all-gather n - 1; the naive algorithm's one exchange per phase (2 and 1)."""
+    if n == 1:
+        return 0
+    phases = 2 if op == "all_reduce" else 1
+    return phases * (n - 1) if algorithm == "ring" else phases
 
 
 def step_traffic(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, zero: int,
