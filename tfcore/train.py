@@ -229,6 +229,11 @@ class TrainConfig:
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
             raise ConfigError("out_dir", f"must be a path, got {self.out_dir!r}")
         layout = self.layout()
+        defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in LAYOUT_FIELDS}
+        given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]]
+        if given and family != "text":
+            raise ConfigError(given[0], f"is for the text tasks: task {self.task!r} trains on "
+                              "one device (leave the layout options out)")
         try:       # the refusals and sizes that need no model, before any work
             layout.validate(batch=self.batch_size,
                             seq=self.seq_len if family == "text" else None)
@@ -245,11 +250,6 @@ class TrainConfig:
             raise ConfigError("micro_batches", f"({self.micro_batches}) must be a multiple "
                               f"of pp ({self.pp}) for the interleaved schedule: micro-batches "
                               "go through the chunks in groups of pp")
-        defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in LAYOUT_FIELDS}
-        given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]]
-        if given and family != "text":
-            raise ConfigError(given[0], f"is for the text tasks: task {self.task!r} trains on "
-                              "one device (leave the layout options out)")
         return self
 
     def layout(self):
