@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from tfcore.parallel.comm import MPIComm, abort_on_error
-from tfcore.parallel.runner import CONFIGS, train_parallel
+from tfcore.parallel.harness import CONFIGS, train_parallel
 
 MODES = [("one all-reduce", None, True), ("buckets, blocking", "B", False),
          ("buckets, overlap", "B", True)]

@@ -10,7 +10,7 @@ import numpy as np
 
 from tfcore.parallel import MPIComm
 from tfcore.parallel.comm import abort_on_error
-from tfcore.parallel.runner import train_layout
+from tfcore.parallel.harness import train_layout
 
 from test_layout_matrix import BATCH, FEATURES, LAYOUTS, SEQ, STEPS
 

@@ -12,8 +12,7 @@ import numpy as np
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import MPIComm
 from tfcore.parallel.comm import abort_on_error
-from tfcore.parallel.pipeline import train_pipeline
-from tfcore.parallel.runner import CONFIGS
+from tfcore.parallel.harness import CONFIGS, train_pipeline
 
 STEPS, BATCH, SEQ = 3, 8, 8
 LAYOUTS = {   # name: (config, train_pipeline's layout arguments)

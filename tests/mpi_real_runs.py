@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from tfcore.parallel.comm import MPIComm, abort_on_error
-from tfcore.parallel.runner import CONFIGS, train_parallel
+from tfcore.parallel.harness import CONFIGS, train_parallel
 
 STEPS, BATCH, SEQ, BUCKET = 2, 8, 8, 2048
 MAX_NORM = 0.1

@@ -1,4 +1,4 @@
-"""tfcore.viz.calculator without a browser: the fragment is self-contained and deterministic,
+"""tfcore.parallel.calculator without a browser: the fragment is self-contained and deterministic,
 its models are the book's, and bad presets are refused by name. The numbers the script
 computes are compared with plan() in chromium (tests/browser/test_calculator.py)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from tfcore.models.decoder import DecoderConfig
 from tfcore.models.sizes import decoder_sizes
 from tfcore.parallel.layout import REFUSALS
-from tfcore.viz.calculator import (
+from tfcore.parallel.calculator import (
     PRESETS,
     REACHABLE_REFUSALS,
     calculator_html,

@@ -10,7 +10,8 @@ import pytest
 from tfcore.models.decoder import DecoderConfig, DecoderLM
 from tfcore.parallel import Layout, SimulatedGroup
 from tfcore.parallel.checkpoint import check_state, gather_state, load_state
-from tfcore.parallel.runner import build, make_batches, train_single, train_step
+from tfcore.parallel.runner import build, train_step
+from tfcore.parallel.harness import make_batches, train_single
 
 BATCH, SEQ = 4, 8
 CONFIG = DecoderConfig(vocab_size=31, max_seq_len=16, d_model=16, n_layers=2, n_heads=4,

@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 
 from tfcore.parallel import SimulatedGroup, optimizer, pipeline
-from tfcore.parallel.fsdp import train_sharded
+from tfcore.parallel.harness import CONFIGS, train_pipeline, train_sharded, train_single
 from tfcore.parallel.grads import parallel_pieces
-from tfcore.parallel.pipeline import train_pipeline
-from tfcore.parallel.runner import CONFIGS, train_single
 
 STEPS, BATCH, SEQ = 3, 8, 8
 MAX_NORM = 0.1      # below the gradient norms of these steps (0.6 to 1.9): the clip acts

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tfcore.parallel import SimulatedGroup
-from tfcore.parallel.context import ContextLayout, ring_attention_bytes, train_context_parallel
-from tfcore.parallel.runner import CONFIGS, train_single
+from tfcore.parallel.context import ContextLayout, ring_attention_bytes
+from tfcore.parallel.harness import CONFIGS, train_context_parallel, train_single
 
 pytest.importorskip("mpi4py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -33,9 +33,12 @@ import numpy as np
 from tfcore import functional as F
 from tfcore.parallel import MPIComm
 from tfcore.parallel.comm import abort_on_error
-from tfcore.parallel.context import (ContextLayout, ring_attention_backward,
-                                     ring_attention_forward, train_context_parallel)
-from tfcore.parallel.runner import CONFIGS
+from tfcore.parallel.context import (
+    ContextLayout,
+    ring_attention_backward,
+    ring_attention_forward,
+)
+from tfcore.parallel.harness import CONFIGS, train_context_parallel
 
 with abort_on_error():
     world = MPIComm(timeout=60)

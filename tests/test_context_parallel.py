@@ -20,9 +20,8 @@ from tfcore.parallel.context import (
     ring_attention_forward,
     ring_work,
     ring_work_formula,
-    train_context_parallel,
 )
-from tfcore.parallel.runner import CONFIGS, train_single
+from tfcore.parallel.harness import CONFIGS, train_context_parallel, train_single
 from tfcore.parallel.volume import collective_bytes
 
 TOL = 1e-12

@@ -11,7 +11,7 @@ import pytest
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import Layout, SimulatedGroup
-from tfcore.parallel.runner import train_layout, train_single
+from tfcore.parallel.harness import train_layout, train_single
 
 STEPS, BATCH, SEQ = 3, 4, 8
 TOL = 1e-12

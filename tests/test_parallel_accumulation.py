@@ -16,7 +16,7 @@ import pytest
 
 from tfcore.parallel import SimulatedGroup
 from tfcore.parallel import __main__ as cli
-from tfcore.parallel import runner
+from tfcore.parallel import harness
 
 STEPS, BATCH, SEQ = 2, 12, 8          # 12 rows: dp = 2 ranks of 6, K = 1, 2, 3 micro-batches
 TOL = 1e-12
@@ -64,7 +64,7 @@ def test_the_generated_combinations_cover_every_option():
 @functools.lru_cache(maxsize=None)
 def _one_device(dropout: float, clip):
     args = cli.parse(["--simulate", "--dropout", str(dropout)])
-    return runner.train_single(cli.config_of(args), STEPS, BATCH, SEQ, 0, clip=clip)
+    return harness.train_single(cli.config_of(args), STEPS, BATCH, SEQ, 0, clip=clip)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tfcore.parallel import __main__ as cli
-from tfcore.parallel import context, fsdp, pipeline, runner
+from tfcore.parallel import harness
 
 RUN = ["--simulate", "--tp", "2", "--steps", "2", "--quiet-times"]
 
@@ -66,9 +66,9 @@ def _forbid_training(monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("a bad argument must be refused before any training")
 
-    for module, name in ((runner, "train_parallel"), (fsdp, "train_sharded"),
-                         (pipeline, "train_pipeline"), (context, "train_context_parallel")):
-        monkeypatch.setattr(module, name, no_training)
+    for name in ("train_parallel", "train_sharded", "train_pipeline",
+                 "train_context_parallel", "train_layout"):
+        monkeypatch.setattr(harness, name, no_training)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -154,14 +154,14 @@ def test_help_lists_every_option_and_the_bare_zero(capsys):
 
 def test_check_fails_on_a_planted_pipeline_difference(capsys, monkeypatch):
     """--check compares the pipeline's result too (not only train_parallel's)."""
-    true_pipeline = pipeline.train_pipeline
+    true_pipeline = harness.train_pipeline
 
     def moved(world, *args, **kwargs):
         out = true_pipeline(world, *args, **kwargs)
         out["params"] = out["params"] * (1 + 1e-9)
         return out
 
-    monkeypatch.setattr(pipeline, "train_pipeline", moved)
+    monkeypatch.setattr(harness, "train_pipeline", moved)
     assert cli.main(["--simulate", "--pp", "2", "--steps", "1", "--check"]) == 1
     assert "parameters 1.0e-09" in capsys.readouterr().err
 
@@ -180,14 +180,14 @@ def test_check_passes_when_the_run_equals_one_device(capsys):
 def test_check_fails_on_a_planted_difference(capsys, monkeypatch):
     """One device's parameters moved by 1e-9 relative (the parallel run cannot tell):
     --check must exit 1 and say by how much."""
-    true_single = runner.train_single
+    true_single = harness.train_single
 
     def perturbed(*args, **kwargs):
         ref = true_single(*args, **kwargs)
         ref["params"] = ref["params"] * (1 + 1e-9)
         return ref
 
-    monkeypatch.setattr(runner, "train_single", perturbed)
+    monkeypatch.setattr(harness, "train_single", perturbed)
     assert cli.main([*RUN, "--check"]) == 1
     err = capsys.readouterr().err
     assert "error: --check: the parallel run differs from one device" in err
@@ -196,7 +196,7 @@ def test_check_fails_on_a_planted_difference(capsys, monkeypatch):
 
 
 def test_check_fails_on_a_planted_loss_difference(capsys, monkeypatch):
-    true_parallel = runner.train_parallel
+    true_parallel = harness.train_parallel
 
     def one_rank_off(world, *args, **kwargs):
         out = true_parallel(world, *args, **kwargs)
@@ -204,20 +204,20 @@ def test_check_fails_on_a_planted_loss_difference(capsys, monkeypatch):
             out["losses"] = [loss + 1e-6 for loss in out["losses"]]
         return out
 
-    monkeypatch.setattr(runner, "train_parallel", one_rank_off)
+    monkeypatch.setattr(harness, "train_parallel", one_rank_off)
     assert cli.main([*RUN, "--check"]) == 1
     assert "error: --check" in capsys.readouterr().err
 
 
 def test_a_failing_rank_is_reported_with_status_1(capsys, monkeypatch):
-    true_parallel = runner.train_parallel
+    true_parallel = harness.train_parallel
 
     def failing(world, *args, **kwargs):
         if world.rank == 1:
             raise RuntimeError("planted failure")
         return true_parallel(world, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "train_parallel", failing)
+    monkeypatch.setattr(harness, "train_parallel", failing)
     assert cli.main(RUN) == 1
     assert capsys.readouterr().err.endswith("error: rank 1: planted failure\n")
 

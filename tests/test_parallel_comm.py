@@ -150,7 +150,7 @@ def test_every_rank_raises_the_same_disagreement():
 
 
 def test_agreement_headers_are_not_counted_and_change_nothing():
-    from tfcore.parallel.runner import CONFIGS, train_parallel
+    from tfcore.parallel.harness import CONFIGS, train_parallel
 
     runs = []
     for check in (False, True):
@@ -180,14 +180,14 @@ def test_replicas_from_different_seeds_are_refused_before_step_1(kind):
     """Each rank given its own seed: every training function compares the initial
     parameters and batches first (the all-reduced loss would not show replicas that differ),
     and fails on every rank before any step."""
-    from tfcore.parallel import context, fsdp, pipeline, runner
+    from tfcore.parallel import context, fsdp, harness, pipeline
 
-    config = runner.CONFIGS["tiny"]()
-    calls = {"dp": lambda c: runner.train_parallel(c, config, 2, 4, 8, dp=2, seed=c.rank),
-             "zero3": lambda c: fsdp.train_sharded(c, config, 2, 4, 8, dp=2, seed=c.rank),
-             "pipeline": lambda c: pipeline.train_pipeline(c, config, 2, 4, 8, pp=2,
+    config = harness.CONFIGS["tiny"]()
+    calls = {"dp": lambda c: harness.train_parallel(c, config, 2, 4, 8, dp=2, seed=c.rank),
+             "zero3": lambda c: harness.train_sharded(c, config, 2, 4, 8, dp=2, seed=c.rank),
+             "pipeline": lambda c: harness.train_pipeline(c, config, 2, 4, 8, pp=2,
                                                            n_microbatches=2, seed=c.rank),
-             "context": lambda c: context.train_context_parallel(c, config, 2, 4, 8,
+             "context": lambda c: harness.train_context_parallel(c, config, 2, 4, 8,
                                                                  seed=c.rank)}
     def body(comm):
         try:
@@ -199,17 +199,17 @@ def test_replicas_from_different_seeds_are_refused_before_step_1(kind):
     assert messages == ["the initial parameters differ across ranks: world rank(s) [1] do "
                         "not hold rank 0's (give every rank the same seed, config, steps, "
                         "batch and seq)"] * 2
-    same = SimulatedGroup(2).run(lambda c: runner.check_same_start(c, *_start(config, 0)))
+    same = SimulatedGroup(2).run(lambda c: harness.check_same_start(c, *_start(config, 0)))
     assert same == [None, None]
     with pytest.raises(ValueError, match="the training batches differ across ranks: world "
                                          r"rank\(s\) \[1\]"):
-        SimulatedGroup(2).run(lambda c: runner.check_same_start(c, *_start(config, 0,
+        SimulatedGroup(2).run(lambda c: harness.check_same_start(c, *_start(config, 0,
                                                                           c.rank)))
 
 
 def _start(config, seed, batch_seed=0):
     from tfcore.models.decoder import DecoderLM
-    from tfcore.parallel.runner import make_batches
+    from tfcore.parallel.harness import make_batches
 
     ids, targets = make_batches(config, 2, 4, 8, batch_seed)
     return DecoderLM(config).init(seed).params, ids, targets

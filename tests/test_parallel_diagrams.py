@@ -9,7 +9,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tfcore.models.decoder import DecoderLM  # noqa: E402
-from tfcore.parallel.runner import CONFIGS  # noqa: E402
+from tfcore.parallel.harness import CONFIGS  # noqa: E402
 from tfcore.viz import parallel as dg  # noqa: E402
 
 

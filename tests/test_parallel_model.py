@@ -9,7 +9,7 @@ import pytest
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import SimulatedGroup
-from tfcore.parallel.runner import CONFIGS, train_parallel, train_single
+from tfcore.parallel.harness import CONFIGS, train_parallel, train_single
 from tfcore.parallel.volume import local_parameters, step_bytes
 
 STEPS, BATCH, SEQ = 3, 4, 8
@@ -89,21 +89,21 @@ def test_unequal_token_counts_weight_every_token_alike():
     """Rank 0 counts far fewer tokens than rank 1: the loss is the mean over all tokens of
     the global batch (and equals one device's), not the mean of the two ranks' means."""
     cfg = CASES["gpt"]
-    from tfcore.parallel import runner
+    from tfcore.parallel import harness
 
-    original = runner.make_batches
+    original = harness.make_batches
 
     def lopsided(config, steps, batch, seq, seed=0, ignore_fraction=0.25):
         ids, targets = original(config, steps, batch, seq, seed, 0.0)
         targets[:, : batch // 2, 1:] = -100                     # rank 0: one token per row
         return ids, targets
 
-    runner.make_batches = lopsided
+    harness.make_batches = lopsided
     try:
-        ref = runner.train_single(cfg, 2, BATCH, SEQ)
-        out = SimulatedGroup(2).run(runner.train_parallel, cfg, 2, BATCH, SEQ, tp=1, dp=2)
+        ref = harness.train_single(cfg, 2, BATCH, SEQ)
+        out = SimulatedGroup(2).run(harness.train_parallel, cfg, 2, BATCH, SEQ, tp=1, dp=2)
     finally:
-        runner.make_batches = original
+        harness.make_batches = original
     assert _rel(out[0]["losses"], ref["losses"]) < TOL
     assert _rel(out[0]["grads"], ref["grads"]) < TOL
 

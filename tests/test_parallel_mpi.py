@@ -21,7 +21,7 @@ import pytest
 
 from tfcore.parallel import SimulatedGroup
 from tfcore.parallel import __main__ as cli
-from tfcore.parallel.runner import CONFIGS, train_parallel, train_single
+from tfcore.parallel.harness import CONFIGS, train_parallel, train_single
 
 pytest.importorskip("mpi4py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
@@ -188,12 +188,12 @@ _FAILING_RANK = """
 import sys
 from mpi4py import MPI
 from tfcore.parallel import __main__ as cli
-from tfcore.parallel import runner
+from tfcore.parallel import harness
 
 if MPI.COMM_WORLD.Get_rank() == 2:
     def failing(world, *args, **kwargs):
         raise RuntimeError("planted failure in training")
-    runner.train_parallel = failing
+    harness.train_parallel = failing
 sys.exit(cli.main(sys.argv[1:]))
 """
 ENDS_WITHIN = 30      # seconds: a healthy 4-rank run takes a few; the default --timeout 600

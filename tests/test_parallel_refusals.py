@@ -19,7 +19,7 @@ import pytest
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import Layout, LayoutError, SimulatedGroup, plan
 from tfcore.parallel import __main__ as cli
-from tfcore.parallel import context, fsdp, pipeline, runner
+from tfcore.parallel import harness
 from tfcore.parallel.layout import CONFIG_FIELDS, LAYOUT_FIELDS, REFUSALS, readme_list
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,10 +114,9 @@ def _forbid_training(monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("a refused combination must stop before any training")
 
-    for module, name in ((runner, "train_parallel"), (fsdp, "train_sharded"),
-                         (pipeline, "train_pipeline"), (context, "train_context_parallel"),
-                         (runner, "train_single")):
-        monkeypatch.setattr(module, name, no_training)
+    for name in ("train_parallel", "train_sharded", "train_pipeline",
+                 "train_context_parallel", "train_single", "train_layout"):
+        monkeypatch.setattr(harness, name, no_training)
 
 
 def _refused(argv):
@@ -175,8 +174,8 @@ def test_every_rule_refuses_in_plan(rule, values):
 
 def _builder(layout):
     """(training function, its keyword arguments, the Layout fields it takes) of the one
-    builder, runner.train_layout."""
-    return (lambda world, config, steps, batch, seq: runner.train_layout(
+    builder, harness.train_layout."""
+    return (lambda world, config, steps, batch, seq: harness.train_layout(
         world, config, layout, steps, batch, seq)), {}, set(LAYOUT_FIELDS) - {"transport"}
 
 

@@ -17,9 +17,8 @@ from tfcore.parallel.pipeline import (
     make_schedule,
     measure_timeline,
     pipeline_bytes_sent,
-    train_pipeline,
 )
-from tfcore.parallel.runner import CONFIGS, train_single
+from tfcore.parallel.harness import CONFIGS, train_pipeline, train_single
 
 STEPS, BATCH, SEQ = 3, 8, 8
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from tfcore.parallel import SimulatedGroup
-from tfcore.parallel.pipeline import train_pipeline
-from tfcore.parallel.runner import train_single
+from tfcore.parallel.harness import train_pipeline, train_single
 
 pytest.importorskip("mpi4py")
 from test_parallel_mpi import MPIEXEC, _mpiexec  # noqa: E402

@@ -11,10 +11,8 @@ from _model_checks import counted_step_bytes
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import SimulatedGroup, bubble_fraction
-from tfcore.parallel.context import train_context_parallel
-from tfcore.parallel.pipeline import train_pipeline
+from tfcore.parallel.harness import CONFIGS, train_context_parallel, train_pipeline
 from tfcore.parallel import plan
-from tfcore.parallel.runner import CONFIGS
 
 SEQ = 8
 
@@ -151,8 +149,7 @@ def _observe(kind, config, f, **kw):
 
 def _observe_float64(kind, config, **kw):
     f = 8
-    from tfcore.parallel.fsdp import train_sharded
-    from tfcore.parallel.runner import train_parallel
+    from tfcore.parallel.harness import train_parallel, train_sharded
 
     batch, dp, tp = kw["batch"], kw.get("dp", 1), kw.get("tp", 1)
     zero = kw.get("zero", 0)

@@ -24,7 +24,7 @@ from tfcore.parallel.grads import (
     overlap_timeline,
     split_micro_batches,
 )
-from tfcore.parallel.runner import CONFIGS, make_batches, train_parallel, train_single
+from tfcore.parallel.harness import CONFIGS, make_batches, train_parallel, train_single
 
 STEPS, BATCH, SEQ = 2, 8, 8
 U = np.finfo(np.float64).eps / 2             # unit roundoff

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tfcore.parallel import SimulatedGroup
-from tfcore.parallel.runner import CONFIGS, train_parallel, train_single
+from tfcore.parallel.harness import CONFIGS, train_parallel, train_single
 
 pytest.importorskip("mpi4py")
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")

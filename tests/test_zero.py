@@ -11,8 +11,8 @@ import pytest
 from tfcore.models.decoder import DecoderConfig
 from tfcore.models.sizes import decoder_sizes
 from tfcore.parallel import SimulatedGroup, plan
-from tfcore.parallel.fsdp import Ledger, ShardedDecoder, train_sharded
-from tfcore.parallel.runner import CONFIGS, train_parallel, train_single
+from tfcore.parallel.fsdp import Ledger, ShardedDecoder
+from tfcore.parallel.harness import CONFIGS, train_parallel, train_sharded, train_single
 from tfcore.parallel.volume import (
     collective_bytes,
     local_parameters,

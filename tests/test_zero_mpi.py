@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfcore.parallel.runner import CONFIGS, train_single
+from tfcore.parallel.harness import CONFIGS, train_single
 from tfcore.parallel.volume import step_traffic
 
 pytest.importorskip("mpi4py")
@@ -29,8 +29,7 @@ SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     from tfcore.parallel.comm import MPIComm, abort_on_error
-    from tfcore.parallel.fsdp import train_sharded
-    from tfcore.parallel.runner import CONFIGS
+    from tfcore.parallel.harness import CONFIGS, train_sharded
 
     name, tp, stage, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     with abort_on_error():

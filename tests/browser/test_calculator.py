@@ -1,4 +1,4 @@
-"""Chapter 23's offline layout calculator (tfcore.viz.calculator), run in chromium against plan().
+"""Chapter 23's offline layout calculator (tfcore.parallel.calculator), run in chromium against plan().
 
 The calculator is a form and a plain script; for every (model, layout) of the grid below the
 test fills in the form as a reader would, reads the numbers the page shows (each row of its
@@ -29,7 +29,7 @@ import pytest
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import Layout, plan
 from tfcore.parallel.runner import CONFIGS
-from tfcore.viz.calculator import DEFAULTS, PRESETS, calculator_html
+from tfcore.parallel.calculator import DEFAULTS, PRESETS, calculator_html
 
 BOOK = "GPT-2 small (124 M)", "Llama 7B", "Llama 3 8B", "Llama 2 70B"
 TINY = "tiny Llama, 4 layers (this chapter's runs)"

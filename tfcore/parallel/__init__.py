@@ -15,7 +15,9 @@ interface.
     experts     expert parallelism: experts sharded over a group, dispatch and combine
                 over all_to_allv as forward/backward pairs, the expert-parallel MoE layer
     volume      closed forms of bytes per collective and per step, parameters per rank
-    runner      train_single / train_parallel (used by the tests, the chapters and the CLI)
+    runner      build (one rank of a layout: the one decoder, its AdamW) and train_step
+    harness     the checks' small configs, random batches and comparison loops
+                (train_single, train_layout, ...: the tests, the chapters, the CLI)
     planning    plan(config, dp=, tp=, ...), the calculator: memory per rank, bytes per
                 step, bubble and (on a stated Cluster) the step time of a layout (also
                 tfcore.parallel.plan)

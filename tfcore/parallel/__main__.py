@@ -57,7 +57,7 @@ import traceback
 import numpy as np
 
 from .. import kernels
-from . import context, pipeline, runner
+from . import context, harness, pipeline
 from .comm import SimulatedGroup
 from .layout import REFUSALS, Layout, LayoutError
 from .model import check_layout as check_model_layout
@@ -106,7 +106,7 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4, help="global batch (rows)")
     ap.add_argument("--seq", type=int, default=8)
-    ap.add_argument("--config", choices=sorted(runner.CONFIGS), default="tiny")
+    ap.add_argument("--config", choices=sorted(harness.CONFIGS), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--algorithm", choices=("ring", "naive", "native"), default="ring",
                     help="collective algorithm (native: MPI's own, bytes not observed)")
@@ -208,7 +208,7 @@ def parse(argv, quiet: bool = False) -> argparse.Namespace:
                          f"{args.bucket_bytes}")
     if not args.check_tol >= 0:          # also refuses nan
         raise UsageError(f"--check-tol must be a number >= 0, got {args.check_tol}")
-    longest = runner.CONFIGS[args.config]().max_seq_len
+    longest = harness.CONFIGS[args.config]().max_seq_len
     if args.seq > longest:
         raise UsageError(f"--seq {args.seq} exceeds the context of --config {args.config} "
                          f"({longest} positions)")
@@ -262,7 +262,7 @@ def first_difference(every) -> str | None:
 
 def config_of(args):
     """The model config of --config, with --layers and --dropout."""
-    config = runner.CONFIGS[args.config]()
+    config = harness.CONFIGS[args.config]()
     changes = dict(dropout=args.dropout) if args.dropout else {}
     if args.layers is not None:
         changes["n_layers"] = args.layers
@@ -376,7 +376,7 @@ def layout_line(args, world_size: int) -> str:
 
 def train(world, args, dp):
     """Rank-local: the library's one training function, at the chosen layout."""
-    return runner.train_layout(world, config_of(args), layout_of(args, dp), args.steps,
+    return harness.train_layout(world, config_of(args), layout_of(args, dp), args.steps,
                                args.batch, args.seq, seed=args.seed)
 
 
@@ -389,7 +389,7 @@ def report(args, out, traffics, world_size, mode) -> int:
         if times is not None and not args.quiet_times:
             line += f"  ({out['times'][t] * 1e3:.1f} ms)"
         print(line)
-    print("parameters:", runner.checksum(out["params"]))
+    print("parameters:", harness.checksum(out["params"]))
     sent = [t["sent"] if isinstance(t, dict) else t.sent for t in traffics]
     if args.algorithm == "native":
         print("bytes: not observed (MPI's own collectives)")
@@ -399,7 +399,7 @@ def report(args, out, traffics, world_size, mode) -> int:
         np.savez(args.save, losses=np.array(out["losses"]), params=out["params"],
                  sent=np.array(sent), times=np.array(times if times is not None else []))
     if args.check:
-        ref = runner.train_single(config_of(args), args.steps, args.batch, args.seq,
+        ref = harness.train_single(config_of(args), args.steps, args.batch, args.seq,
                                   args.seed, clip=args.clip)
         d_loss, d_params = compare(out, ref)
         print(f"one device: max relative difference of the losses {d_loss:.1e}, "

@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from .. import backend, checks, ops
+from .. import checks, ops
 from ..backend import namespace
 from ..models.blocks import repeat_kv_heads, sum_kv_groups
 from ..models.decoder import DecoderConfig
@@ -419,13 +419,3 @@ def ContextParallelDecoder(config: DecoderConfig, cp, balanced: bool = True, dp=
                                  balanced=balanced)
 
 
-def train_context_parallel(comm, config: DecoderConfig, steps: int, batch: int, seq: int,
-                           balanced: bool = True, seed: int = 0, hyper=None) -> dict:
-    """runner.train_parallel on a ring of every rank of `comm` (context parallelism alone):
-    the runner's batches, each sequence split over the ranks; gradients summed over the
-    group, then runner.train_single's AdamW. -> dict(losses, params (host [P]), grads (the
-    summed gradient of the last step))."""
-    from .runner import train_parallel
-
-    return train_parallel(comm, config, steps, batch, seq, dp=1, cp=comm.size,
-                          balanced=balanced, seed=seed, hyper=hyper)

@@ -411,24 +411,5 @@ class ShardedDecoder(TensorParallelDecoder):
         self.shard_grad[...] = 0.0
 
 
-def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,
-                  tp: int = 1, dp: int | None = None, stage: int = 3, seed: int = 0,
-                  hyper=None, gather: bool = True, clip: float | None = None,
-                  sequence_parallel: bool = False, micro_batches: int = 1):
-    """runner.train_parallel with ZeRO stage 2 or 3: the same batches, rows split over dp,
-    the same AdamW. -> dict(losses, params (full, host), step_calls, ledger, local_params,
-    shard_size, times, norms (with clip))."""
-    from .runner import train_parallel
-
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    out = train_parallel(world, config, steps, batch, seq, tp=tp, dp=dp, zero=stage,
-                         seed=seed, hyper=hyper, gather=gather, clip=clip,
-                         sequence_parallel=sequence_parallel, micro_batches=micro_batches)
-    if clip is None:
-        out["norms"] = []
-    return out
-
-
 __all__ = ["ShardedDecoder", "Ledger", "train_sharded", "unit_names",
            "unit_uses"]

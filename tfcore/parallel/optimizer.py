@@ -190,7 +190,7 @@ class _UnitBuffers:
 
 def adamw(params, shard: ShardView, hyper: dict, clip: float | None = None) -> AdamW:
     """tfcore.optim.AdamW over `shard` from a dict of lr, beta1, beta2, eps, weight_decay
-    (the runners' HYPER); Adam when weight_decay is 0 (the same update, saved as Adam, as
+    (the trainer's settings, or harness.HYPER); Adam when weight_decay is 0 (the same update, saved as Adam, as
     the one-device trainer saves it)."""
     betas = (hyper["beta1"], hyper["beta2"])
     if not hyper["weight_decay"]:

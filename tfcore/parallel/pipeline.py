@@ -42,7 +42,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .. import backend, checks
+from .. import backend
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from ..models.parts import count_rows
 from .mesh import Mesh
@@ -515,7 +515,7 @@ def measure_timeline(records, n_stages: int, n_virtual: int = 1, cost_forward=1,
 # Training on a DP x PP x TP mesh
 
 
-def build_stage(world, config: DecoderConfig, layout: Layout, hyper=None, mesh=None):
+def build_stage(world, config: DecoderConfig, layout: Layout, hyper: dict, mesh=None):
     """This rank's PipelineStage of `layout` (layout.pp set) and its AdamW, as a runner.Run
     whose `pipeline` holds what a step needs besides the model: the schedule [rank] ->
     [(op, micro-batch, chunk)], `tied` (the group of the first and the last stage, which
@@ -524,9 +524,8 @@ def build_stage(world, config: DecoderConfig, layout: Layout, hyper=None, mesh=N
     (stage.load_full, or tfcore.parallel.checkpoint.load_state) before training.
     runner.build calls it for a layout with pp; mesh: the layout's Mesh, when built."""
     from .grads import tensor_parallel_mask
-    from .runner import HYPER, Run
+    from .runner import Run
 
-    hyper = dict(HYPER, **(hyper or {}))
     pp, m, v = layout.pp, layout.micro_batches, layout.virtual
     schedule = layout.pipeline_schedule
     check_pipeline_layout(config, world.size, pp, layout.tp, layout.dp, m, v, None,
@@ -632,63 +631,6 @@ def pipeline_loss(run, ids, targets, batch: int) -> float:
     out = run_pipeline_step(run.model, run.mesh.pp, forward_schedule(p, m, v), mb_ids,
                             mb_targets, count, forward_only=True)
     return share_losses(run, [out["loss"]])[0]
-
-
-def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,
-                   pp: int, n_microbatches: int, schedule: str = "1f1b", n_virtual: int = 1,
-                   tp: int = 1, dp: int | None = None, seed: int = 0, hyper=None,
-                   gather: bool = True, clip: float | None = None,
-                   sequence_parallel: bool = False, zero: int = 0, cp: int | None = None,
-                   balanced: bool = True):
-    """Rank-local: run on every rank of `world` (SimulatedGroup or MPIComm). The global
-    batch [B, S] is split by rows over the dp replicas, each replica's rows into m
-    micro-batches of B_m = B / (N_D m) rows. -> dict(losses (every rank), params, grads
-    (the full single-device buffers, host; the last step's gradient, summed over dp),
-    record, peak_live, peak_bytes, chunk_bytes (of the last step), sent (point-to-point
-    bytes this rank sent in each step's pipeline), coords (dp, pp, tp), norms).
-
-    clip: max_norm of clipping by the global norm (as train_single's), over the stages
-    (every piece sharded over pp), tp inside them, the tied wte counted once. A step is
-    pipeline_step, the one the trainer (python -m tfcore.train --pp) calls."""
-    from .runner import check_same_start, make_batches
-
-    for name, value in (("steps", steps), ("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if seq > config.max_seq_len:
-        raise ValueError(f"seq ({seq}) exceeds max_seq_len={config.max_seq_len}")
-    max_norm = None if clip is None else checks.positive("clip", clip)
-    dp = check_pipeline_layout(config, world.size, pp, tp, dp, n_microbatches, n_virtual,
-                               batch, schedule, cp, sequence_parallel, int(zero))
-    layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=int(zero), sp=sequence_parallel,
-                    micro_batches=n_microbatches, virtual=n_virtual, schedule=schedule,
-                    balanced=balanced, clip=max_norm)
-    run = build_stage(world, config, layout, hyper)
-    stage, mesh = run.model, run.mesh
-    full = DecoderLM(config).init(seed).params
-    ids, targets = make_batches(config, steps, batch, seq, seed)
-    check_same_start(world, full, ids, targets)
-    stage.load_full(full)
-    losses, grads, sent, out, norms = [], None, [], None, []
-    for t in range(steps):
-        dropout = None
-        if config.dropout > 0:          # each chunk draws from the step's seed afresh
-            dropout = (lambda t=t: dict(training=True,
-                                        rng=backend.default_rng(10_000 * seed + t)))
-        loss, out = pipeline_step(run, ids[t], targets[t], batch, dropout)
-        sent.append(out["sent"])
-        norms.append(run.optimizer.last_norm)
-        losses.append(loss)
-        if gather and t == steps - 1 and not zero:   # ZeRO-1 sums only its chunk
-            grads = gather_full(stage, mesh, config, "grad")
-    # every rank reports the losses, shared once the run is over (not part of a step)
-    losses = share_losses(run, losses)
-    params = gather_full(stage, mesh, config, "data") if gather else None
-    return dict(losses=losses, params=params, grads=grads, record=out["record"],
-                peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],
-                chunk_bytes=out["chunk_bytes"], sent=sent,
-                norms=norms if max_norm is not None else [],
-                coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), local_params=stage.params.size)
 
 
 def counted_mask(stage: PipelineStage):

@@ -4,8 +4,6 @@ viz sits above parallel and train in the layering (it imports them, never the re
 imports matplotlib only inside its drawing functions, so tfcore does not need matplotlib. No
 module of tfcore outside viz imports matplotlib.
 
-    calculator  calculator_html: chapter 23's offline layout calculator, plan()'s
-                numbers in a form and a plain script (no library, no network)
     loss        a run's loss curves from its log.jsonl: read_log, moving_average,
                 plot_run (python -m tfcore.plot is its command line)
     parallel    the parallel layouts, one `*_data` function (runs the real thing on

@@ -28,7 +28,8 @@ layout runs in the browser, one JavaScript function for each closed form it mirr
 Byte counts are BigInt, so every one is exact however large. The global batch is
 dp x micro-batches x rows, which every layout divides. The layout has no ring (cp = 1), no
 gradient buckets and the ring algorithm. tests/browser/test_calculator.py runs the script in
-chromium over a grid of models and layouts and compares every number with plan().
+chromium over a grid of models and layouts and compares every number with plan(). It sits
+beside plan in parallel (it draws nothing: tfcore.viz holds the matplotlib figures).
 """
 from __future__ import annotations
 
@@ -37,12 +38,12 @@ import json
 import math
 
 from ..models.decoder import RECOMPUTE, DecoderConfig
-from ..parallel.fsdp import unit_names
-from ..parallel.layout import REFUSALS, SCHEDULES, ZERO_STAGES
-from ..parallel.parts import shard_rule
-from ..parallel.planning import ITEMSIZE
-from ..parallel.runner import CONFIGS
-from ..parallel.volume import replicated_elements
+from .fsdp import unit_names
+from .layout import REFUSALS, SCHEDULES, ZERO_STAGES
+from .parts import shard_rule
+from .planning import ITEMSIZE
+from .runner import CONFIGS
+from .volume import replicated_elements
 
 
 def _llama(**sizes) -> DecoderConfig:
