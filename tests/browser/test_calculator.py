@@ -28,7 +28,7 @@ import pytest
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import Layout, plan
-from tfcore.parallel.runner import CONFIGS
+from tfcore.parallel.harness import CONFIGS
 from tfcore.parallel.calculator import DEFAULTS, PRESETS, calculator_html
 
 BOOK = "GPT-2 small (124 M)", "Llama 7B", "Llama 3 8B", "Llama 2 70B"
@@ -58,14 +58,10 @@ def _case(model, seq, **layout):
 
 
 def calculator_lags(case: dict, config) -> bool:
-    """The layouts the calculator's script does not price (its plan(): a pipeline with
-    ZeRO, SP, TP or shared key/value heads; accumulation without a pipeline), which the
-    plan() it was written from gave None for. Where plan() has learnt to price one, the
-    page may still say "not priced" (every number of the case), never a wrong number."""
-    if case["pp"] > 1:
-        return bool(case["zero"] or case["sp"] or case["tp"] > 1
-                    or config.n_kv_heads < case["tp"])
-    return case["microbatches"] > 1
+    """The layouts the calculator's script does not price (its plan(): pipelines and
+    gradient accumulation, which plan() prices through volume.layout_traffic). Where plan()
+    prices one, the page may still say "not priced" (every number of the case), never a wrong number."""
+    return case["pp"] > 1 or case["microbatches"] > 1
 
 
 def _grid() -> list[dict]:

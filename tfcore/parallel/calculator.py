@@ -22,11 +22,11 @@ layout runs in the browser, one JavaScript function for each closed form it mirr
     zeroMemory, zeroCalls      volume.zero_memory, zero_collectives
     meshCalls, priceMesh       volume.step_collectives, step_traffic; plan's dp x tp branch
     activationBytes            models.sizes.decoder_sizes' activation_bytes
-    pricePipeline              plan's _pipeline_plan (pipeline_bytes_sent, stage_param_names)
     plan                       plan()'s checks, in its order, and its branches
 
-Byte counts are BigInt, so every one is exact however large. The global batch is
-dp x micro-batches x rows, which every layout divides. The layout has no ring (cp = 1), no
+Byte counts are BigInt, so every one is exact however large. Pipelines (pp > 1) and
+gradient accumulation are "not priced" here yet (plan prices them with
+volume.layout_traffic, not mirrored). The global batch is dp x micro-batches x rows, which every layout divides. The layout has no ring (cp = 1), no
 gradient buckets and the ring algorithm. tests/browser/test_calculator.py runs the script in
 chromium over a grid of models and layouts and compares every number with plan(). It sits
 beside plan in parallel (it draws nothing: tfcore.viz holds the matplotlib figures).
@@ -42,7 +42,7 @@ from .fsdp import unit_names
 from .layout import REFUSALS, SCHEDULES, ZERO_STAGES
 from .parts import shard_rule
 from .planning import ITEMSIZE
-from .runner import CONFIGS
+from .harness import CONFIGS
 from .volume import replicated_elements
 
 
@@ -403,43 +403,6 @@ function priceMesh(m, x, f) {
   return pick(memory, traffic);
 }
 
-// plan's _pipeline_plan: pp > 1, tp = 1, ZeRO 0; rank w = d pp + s
-function pricePipeline(m, x, f) {
-  const p = x.pp, v = x.virtual, mu = x.microbatches;
-  const microTokens = B(x.rows) * B(x.seq);           // B_m S
-  const wte = prod(m.embed.find((t) => t[0] === "wte")[2]);
-  const block = m.block.reduce((a, t) => a + prod(t[2]), 0n);
-  const memory = [], traffic = [];
-  for (let d = 0; d < x.dp; d++) {
-    for (let s = 0; s < p; s++) {
-      const first = s === 0, last = s === p - 1;      // virtual stage 0, p v - 1
-      let P = B(m.L / p) * block;                     // v chunks of L / (p v) blocks
-      for (const [name, , shape] of m.embed) {        // pipeline.stage_param_names
-        if (name === "wpe" ? first : first || (last && m.tied)) P += prod(shape);
-      }
-      if (last) P += m.head.reduce((a, t) => a + prod(t[2]), 0n);
-      const mem = { params: P * f, grads: P * f, optimizer: 2n * P * f, gathered: 0n,
-                    activations: null };
-      mem.total = 4n * P * f;
-      memory.push(mem);
-      let messages = 0;                               // pipeline.pipeline_bytes_sent
-      for (let c = 0; c < v; c++) {
-        messages += (c * p + s !== p * v - 1) + (c * p + s !== 0);
-      }
-      const byOp = { "pp send": B(messages * mu) * microTokens * B(m.D) * f };
-      if (x.dp > 1) {
-        byOp["dp all_reduce"] = (ringSent("all_reduce", P, x.dp, d)
-          + (last ? ringSent("all_reduce", 1n, x.dp, d) : 0n)) * f;
-      }
-      if (m.tied && (first || last)) {                // the tied wte's two copies
-        byOp["embedding all_reduce"] = ringSent("all_reduce", wte, 2, first ? 0 : 1) * f;
-      }
-      traffic.push(byOp);
-    }
-  }
-  return pick(memory, traffic);
-}
-
 function pyRepr(v) {
   if (v === null) return "None";
   if (v === true) return "True";
@@ -506,12 +469,9 @@ function plan(m, x) {
   const f = B(DATA.itemsize[x.dtype]);
   const result = { memory: null, traffic: null, sent: null, schedule: schedule,
                    bubble: (x.pp - 1) / (x.virtual * x.microbatches) };
-  let priced = null;
-  if (x.pp > 1) {
-    if (!(x.zero || x.sp || m.Hkv < tp || tp > 1)) priced = pricePipeline(m, x, f);
-  } else if (x.microbatches === 1) {
-    priced = priceMesh(m, x, f);
-  }
+  // pipelines and accumulation: volume.layout_traffic's per-chunk and per-micro-batch
+  // collectives are not mirrored here yet, so the page says "not priced"
+  const priced = x.pp === 1 && x.microbatches === 1 ? priceMesh(m, x, f) : null;
   return Object.assign(result, priced || {});
 }
 
