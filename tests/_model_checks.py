@@ -1,5 +1,4 @@
-"""Shared helpers of the model tests: directional finite differences over a flat buffer, and
-the bytes a simulated pipeline run sent in its training steps."""
+"""Shared helpers of the model tests: directional finite differences over a flat buffer."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,17 +63,3 @@ def directional_errors(params, loss_fn, rng, names=None, h=1e-5, retry_above=1e-
         params.load_flat(base)
     return errors
 
-
-def counted_step_bytes(group, results, pp, dp):
-    """Bytes each world rank of a simulated pipeline run sent, without the losses the run
-    shares for reporting once it is over (a pp broadcast, and on the last stage a dp
-    all-reduce of the step losses: the last dp call): they are not part of a training
-    step. results: the ranks' returns, each with coords (d, s, t)."""
-    counted = []
-    for w, res in enumerate(results):
-        calls = group.traffic[w].calls
-        reporting = [c for c in calls if c.op == "broadcast"]
-        if res["coords"][1] == pp - 1 and dp > 1:
-            reporting.append([c for c in calls if c.group == "dp"][-1])
-        counted.append(group.traffic[w].sent - sum(c.sent for c in reporting))
-    return counted

@@ -11,7 +11,7 @@ from tfcore.models.decoder import DecoderConfig, DecoderLM
 from tfcore.parallel import Layout, SimulatedGroup
 from tfcore.parallel.checkpoint import check_state, gather_state, load_state
 from tfcore.parallel.runner import build, train_step
-from tfcore.parallel.harness import make_batches, train_single
+from tfcore.parallel.harness import HYPER, make_batches, train_single
 
 BATCH, SEQ = 4, 8
 CONFIG = DecoderConfig(vocab_size=31, max_seq_len=16, d_model=16, n_layers=2, n_heads=4,
@@ -29,7 +29,7 @@ def _leg(layout, state, first, last, total):
     ids, targets = make_batches(CONFIG, total, BATCH, SEQ)
 
     def body(world):
-        run = build(world, CONFIG, layout)
+        run = build(world, CONFIG, layout, HYPER)
         if state is None:
             run.model.load_full(DecoderLM(CONFIG).init(0).params)
         else:
@@ -86,7 +86,7 @@ def test_a_state_that_does_not_fit_is_refused_before_anything_changes():
     _, state = _leg(Layout(), None, 0, 1, 1)
 
     def body(world):
-        run = build(world, CONFIG, Layout(tp=2))
+        run = build(world, CONFIG, Layout(tp=2), HYPER)
         before = np.array(run.model.params.data, copy=True)
         for bad, match in ((dict(state, m=state["m"][:-1]), "m has shape"),
                            (dict(state, t=-1), "t must be an integer"),

@@ -151,19 +151,24 @@ def test_the_bytes_of_a_composed_layout_are_its_formula(lname, fname):
     """What each rank sent in a step, counted as it moved (collectives and point-to-point
     messages alike), equals plan()'s bytes per step (volume.layout_traffic), rank by rank:
     every layout the matrix trains, pipelines, accumulation, buckets and clipping included
-    (a pipeline run's reporting of its losses afterwards is not part of the step)."""
-    from _model_checks import counted_step_bytes
-
+    (a pipeline's step shares its loss with every rank, as the trainer's does); and the
+    parameters, gradients and AdamW state each rank holds (at the step's peak for ZeRO-2/3)
+    are plan()'s memory."""
     from tfcore.parallel import plan
 
     layout, config = {**LAYOUTS, **BYTES_LAYOUTS}[lname], FEATURES[fname]
     group = SimulatedGroup(layout.world_size)
     results = group.run(train_layout, config, layout, 1, BATCH, SEQ, gather=False)
     priced = plan(config, layout, batch=BATCH, seq=SEQ)
-    if layout.pp is None:
-        assert [t.sent for t in group.traffic] == priced.sent
-    else:
-        assert counted_step_bytes(group, results, layout.pp, layout.dp) == priced.sent
+    assert [t.sent for t in group.traffic] == priced.sent
+    for out, memory in zip(results, priced.memory_per_rank):   # and what each rank holds
+        if layout.zero >= 2:           # the ledger's peak: the shard and what is gathered
+            peak = out["ledger"].peak()
+            held = dict(params=peak["params"], grads=peak["grads"],
+                        optimizer=peak["optimizer"])
+        else:
+            held = out["held"]
+        assert {k: memory[k] for k in held} == held
 
 
 @pytest.mark.parametrize("lname", ["tp2 x cp2", "dp2 x pp2 x tp2, zero1",

@@ -7,7 +7,6 @@ test_layout_matrix.py.)"""
 from __future__ import annotations
 
 import pytest
-from _model_checks import counted_step_bytes
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import SimulatedGroup, bubble_fraction
@@ -35,7 +34,7 @@ def test_plan_equals_the_simulated_pipeline(name, schedule, pp, m, v, dp):
                         schedule=schedule, n_virtual=v, dp=dp, gather=False)
     p = plan(config, dp=dp, pp=pp, microbatches=m, virtual=v, schedule=schedule,
              batch=batch, seq=SEQ)
-    assert p.sent == counted_step_bytes(group, results, pp, dp)
+    assert p.sent == [t.sent for t in group.traffic]
     assert p.peak_caches == [res["peak_live"] for res in results]
     for mem, res in zip(p.memory_per_rank, results):
         P = res["local_params"] * 8                       # float64
@@ -158,7 +157,7 @@ def _observe_float64(kind, config, **kw):
         group = SimulatedGroup(dp * pp)
         out = group.run(train_pipeline, config, 1, batch, SEQ, pp=pp, n_microbatches=m,
                         schedule=kw.get("schedule", "1f1b"), dp=dp, gather=False)
-        sent = counted_step_bytes(group, out, pp, dp)
+        sent = [t.sent for t in group.traffic]
         held = [dict(params=o["local_params"] * f, grads=o["local_params"] * f,
                      optimizer=2 * o["local_params"] * f, gathered=0) for o in out]
         return held, None, sent, [o["peak_live"] for o in out]
@@ -261,10 +260,12 @@ def test_every_field_of_the_plan(kind, kw):
         for w, r in enumerate(p.traffic_per_rank):
             d, s = divmod(w, pp)
             assert r["pp send"] == m * tokens * config.d_model * f * ((s < pp - 1) + (s > 0))
-            if dp > 1:
-                last = 1 if s == pp - 1 else 0        # and the token count T_c
+            if dp > 1:           # and on the last stage the token count T_c and the loss
+                last = 1 if s == pp - 1 else 0
                 assert r["dp all_reduce"] == f * (_ring_all_reduce_sent(P_stage[s], dp, d)
-                                                  + _ring_all_reduce_sent(last, dp, d))
+                                                  + 2 * _ring_all_reduce_sent(last, dp, d))
+            # the loss, broadcast in a chain from the last stage: pp-1 -> 0 -> ... -> pp-2
+            assert r.get("pp broadcast", 0) == f * (s != pp - 2)
     busiest = p.sent.index(max(p.sent))
     assert p.traffic == {k: b for k, b in sorted(p.traffic_per_rank[busiest].items()) if b}
     # bubble and caches

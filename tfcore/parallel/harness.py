@@ -213,12 +213,7 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     if stage >= 2:
         out.update(ledger=model.ledger, local_params=model.size, shard_size=model.shard_size)
     else:
-        b = np.dtype(model.params.dtype).itemsize                   # what this rank keeps:
-        opt = run.optimizer
-        out.update(local_params=model.params.size,
-                   held=dict(params=model.params.data.size * b,
-                             grads=model.params.grad.size * b,
-                             optimizer=(opt.m.size + opt.v.size) * b))
+        out.update(local_params=model.params.size, held=held_bytes(run))
     return out
 
 
@@ -282,19 +277,27 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
             dropout = (lambda t=t: dict(training=True,
                                         rng=backend.default_rng(10_000 * seed + t)))
         loss, out = pipeline_step(run, ids[t], targets[t], batch, dropout)
+        losses += share_losses(run, [loss])           # as runner.train_step shares it
         sent.append(out["sent"])
         norms.append(run.optimizer.last_norm)
-        losses.append(loss)
         if gather and t == steps - 1 and not zero:   # ZeRO-1 sums only its chunk
             grads = gather_full(stage, mesh, config, "grad")
-    # every rank reports the losses, shared once the run is over (not part of a step)
-    losses = share_losses(run, losses)
     params = gather_full(stage, mesh, config, "data") if gather else None
     return dict(losses=losses, params=params, grads=grads, record=out["record"],
                 peak_live=out["peak_live"], peak_bytes=out["peak_bytes"],
                 chunk_bytes=out["chunk_bytes"], sent=sent,
                 norms=norms if max_norm is not None else [],
-                coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank), local_params=stage.params.size)
+                coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
+                local_params=stage.params.size, held=held_bytes(run))
+
+
+def held_bytes(run) -> dict:
+    """Bytes of the parameters, gradients and AdamW moments this rank keeps (a flat buffer
+    each; ZeRO-1: the moments of its chunk): what plan() prices as memory."""
+    params, opt = run.model.params, run.optimizer
+    b = np.dtype(params.dtype).itemsize
+    return dict(params=params.data.size * b, grads=params.grad.size * b,
+                optimizer=(opt.m.size + opt.v.size) * b)
 
 
 def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,

@@ -286,7 +286,9 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
         pipeline   point-to-point activations and their gradients (pipeline_bytes_sent;
                    [B_m, S_c / N_T, D] each under sp), the last stage's token count T_c
                    over dp (and each micro-batch's loss and count over the ring), a
-                   tied wte's gradient between the first and last stage
+                   tied wte's gradient between the first and last stage, and the step's
+                   loss shared (pipeline.share_losses: summed over dp on the last stage,
+                   broadcast from it down the pipeline)
         otherwise  the loss and token count over the data group (2 elements) per
                    micro-batch; with K > 1 the K counts (accumulation weights) over dp
       the gradient over the data group (dp x cp): zero_collectives of the rank's tensors
@@ -323,9 +325,10 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     by_op: dict = {}
                     steps = 0                     # rounds of messages, for the latency
 
-                    def add(group, op, M, n, r):
+                    def add(group, op, M, n, r, root=0):
                         nonlocal steps
-                        sent = collective_bytes(op, algorithm, M, n, itemsize)["sent"][r]
+                        sent = collective_bytes(op, algorithm, M, n, itemsize,
+                                                root)["sent"][r]
                         by_op[(group, op)] = by_op.get((group, op), 0) + sent
                         steps += collective_rounds(op, algorithm, n)
 
@@ -365,8 +368,10 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                         by_op[("pp", "send")] = pipeline_bytes_sent(
                             pp, s, K, virtual, tokens, D, itemsize)
                         steps += pipeline_bytes_sent(pp, s, K, virtual, 1, 1, 1)
-                        if last and dp > 1:
+                        if last and dp > 1:             # T_c, and the step's loss shared
                             add("dp", "all_reduce", 1, dp, d)
+                            add("dp", "all_reduce", 1, dp, d)
+                        add("pp", "broadcast", 1, pp, s, root=pp - 1)
                         if last and C > 1:          # each micro-batch's loss over the ring
                             for _ in range(K):
                                 add("cp", "all_reduce", 2, C, c)
