@@ -353,8 +353,16 @@ def test_the_step_time_adds_its_terms_and_names_the_largest():
                   cluster=Cluster(flops=1e9, bandwidth=1e6, latency=1e-3)).time
     assert latent["communication"] > T["communication"]
     assert ("time dominated by", T["dominant"]) in p.rows()
+    # tensor parallelism inside a machine of 2 ranks: its bytes at the machine's bandwidth
+    two = plan(config, Layout(dp=2, tp=2), batch=8, seq=SEQ)
+    inside = plan(config, Layout(dp=2, tp=2), batch=8, seq=SEQ, cluster=Cluster(
+        flops=1e9, bandwidth=1e6, node_size=2, node_bandwidth=4e6)).time["communication"]
+    assert inside == max(sum(b / (4e6 if key.startswith("tp ") else 1e6)
+                             for key, b in r.items()) for r in two.traffic_per_rank)
     for bad in (dict(flops=0, bandwidth=1.0), dict(flops=1.0, bandwidth=float("inf")),
-                dict(flops=1.0, bandwidth=1.0, latency=-1.0)):
+                dict(flops=1.0, bandwidth=1.0, latency=-1.0),
+                dict(flops=1.0, bandwidth=1.0, node_size=0),
+                dict(flops=1.0, bandwidth=1.0, node_bandwidth="fast")):
         with pytest.raises(ValueError, match="Cluster"):
             Cluster(**bad)
     with pytest.raises(ValueError, match="cluster must be a Cluster"):

@@ -63,12 +63,15 @@ KINDS = ("params", "grads", "optimizer")
 def unit_names(config: DecoderConfig) -> list[tuple[str, list[str]]]:
     """[(unit, [tensor names])] in buffer (and forward) order; a unit with no tensor (the
     head of a tied, post-norm model without head bias) is left out."""
-    names = list(config.param_shapes())
-    units = [("embed", [n for n in names if n in ("wte", "wpe")])]
-    units += [(f"h{i}", [n for n in names if n.startswith(f"h{i}.")])
-              for i in range(config.n_layers)]
-    units.append(("head", [n for n in names if n.startswith(("lnf.", "head."))]))
-    return [(u, ns) for u, ns in units if ns]
+    units = {"embed": [], **{f"h{i}": [] for i in range(config.n_layers)}, "head": []}
+    for name in config.param_shapes():                 # one pass: h{i}.* go to unit h{i}
+        if name in ("wte", "wpe"):
+            units["embed"].append(name)
+        elif name.startswith(("lnf.", "head.")):
+            units["head"].append(name)
+        elif name.split(".", 1)[0] in units:
+            units[name.split(".", 1)[0]].append(name)
+    return [(u, ns) for u, ns in units.items() if ns]
 
 
 def unit_uses(config: DecoderConfig) -> dict[str, int]:

@@ -98,36 +98,51 @@ class Plan:
 @dataclass(frozen=True)
 class Cluster:
     """A stated machine for the step time: every rank alike.
-    flops      FLOP/s one rank sustains on the step's matmuls (chapter 11's roofline: a
-               training step's products sit at the compute roof, so the FLOPs set it)
-    bandwidth  bytes/s one rank sends over its link (beta = 1 / bandwidth)
-    latency    seconds per round of messages (alpha)"""
+    flops           FLOP/s one rank sustains on the step's matmuls (chapter 11's roofline:
+                    a training step's products sit at the compute roof, so the FLOPs set it)
+    bandwidth       bytes/s one rank sends over its link between machines (beta)
+    latency         seconds per round of messages (alpha)
+    node_size       ranks per machine: a group whose ranks lie in one machine (mesh.py puts
+                    tp innermost, then cp, then pp, then dp) talks at node_bandwidth
+    node_bandwidth  bytes/s one rank sends inside a machine (None: bandwidth)"""
     flops: float
     bandwidth: float
     latency: float = 0.0
+    node_size: int = 1
+    node_bandwidth: float | None = None
 
     def __post_init__(self):
-        for name in ("flops", "bandwidth", "latency"):
+        for name in ("flops", "bandwidth", "latency", "node_bandwidth"):
             value = getattr(self, name)
+            if name == "node_bandwidth" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     math.isfinite(value) and (value > 0 or name == "latency" and value == 0)):
                 raise ValueError(f"Cluster.{name} must be a finite number > 0"
                                  f"{' (or 0)' if name == 'latency' else ''}, got {value!r}")
+        _positive_int("Cluster.node_size", self.node_size)
+
+    def seconds(self, traffic: dict, rounds: int, spans: dict) -> float:
+        """alpha-beta time of one rank's step traffic {'<group> <op>': bytes}: each group's
+        bytes at the bandwidth of where its ranks lie (spans: group -> consecutive world
+        ranks it spans), plus latency x rounds."""
+        inside = self.node_bandwidth or self.bandwidth
+        return sum(b / (inside if spans[key.rsplit(" ", 1)[0]] <= self.node_size
+                        else self.bandwidth) for key, b in traffic.items()
+                   ) + self.latency * rounds
 
 
-def step_time(config, batch: int, seq: int, world: int, sent: int, rounds: int,
+def step_time(config, batch: int, seq: int, world: int, communication: float,
               bubble: float, cluster: Cluster) -> dict:
     """Seconds of one step on `cluster`, term by term, without overlap (an upper bound: the
     overlap chapter hides part of the communication behind the backward):
       compute        sizes.step_flops(config, B, S) / N / flops   (the work spread evenly
                      over the N ranks)
-      communication  sent / bandwidth + latency x rounds   (the busiest rank's alpha-beta)
+      communication  the slowest rank's Cluster.seconds (alpha-beta, group by group)
       bubble         compute x (p - 1) / (v m)   (the pipeline's idle time)
       total          their sum;  dominant: the largest term's name."""
     compute = step_flops(config, batch, seq) / world / cluster.flops
-    terms = dict(compute=compute,
-                 communication=sent / cluster.bandwidth + cluster.latency * rounds,
-                 bubble=compute * bubble)
+    terms = dict(compute=compute, communication=communication, bubble=compute * bubble)
     return dict(terms, total=sum(terms.values()), dominant=max(terms, key=terms.get))
 
 
@@ -264,11 +279,14 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     fullest = max(range(len(memory_per_rank)), key=lambda w: memory_per_rank[w]["total"])
     busiest = max(range(len(sent)), key=lambda w: sent[w])
     time = None
-    if cluster is not None:
-        slowest = max(range(len(sent)), key=lambda w: (
-            sent[w] / cluster.bandwidth + cluster.latency * rounds[w]))
-        time = step_time(config, batch, seq, len(sent), sent[slowest], rounds[slowest],
-                         bubble, cluster)
+    if cluster is not None:      # the consecutive world ranks each group spans (mesh.py)
+        spans = {"tp": tp, "kv": tp, "cp": tp * cp, "pp": tp * cp * pp,
+                 "embedding": tp * cp * pp, "dp": len(sent), "dp x cp": len(sent)}
+        if dp == 1 and cp > 1:
+            spans["cp"] = tp * cp                     # the ring is then the data group too
+        slowest = max(cluster.seconds(r, n, spans)
+                      for r, n in zip(traffic_per_rank, rounds))
+        time = step_time(config, batch, seq, len(sent), slowest, bubble, cluster)
     return Plan(layout, memory_per_rank[fullest], memory_per_rank,
                 traffic_per_rank[busiest], traffic_per_rank, sent, bubble, peak, time)
 

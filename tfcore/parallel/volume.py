@@ -207,13 +207,22 @@ def local_shape(name: str, shape, config, tp: int, t: int) -> tuple:
 
 def unit_elements(config, tp: int = 1, t: int = 0) -> list[tuple[str, int, int]]:
     """[(unit, M_u, uses_u)] of fsdp's units on tensor-parallel rank t, in forward order."""
+    import json
     import math
 
     from .fsdp import unit_names, unit_uses
 
-    shapes, uses = config.param_shapes(), unit_uses(config)
-    return [(u, sum(math.prod(local_shape(n, shapes[n], config, tp, t)) for n in names),
-             uses[u]) for u, names in unit_names(config)]
+    key = (json.dumps(config.to_dict(), sort_keys=True), tp, t)   # a plan asks per rank
+    if key not in _UNITS:
+        shapes, uses = config.param_shapes(), unit_uses(config)
+        if len(_UNITS) > 64:
+            _UNITS.clear()
+        _UNITS[key] = [(u, sum(math.prod(local_shape(n, shapes[n], config, tp, t))
+                               for n in names), uses[u]) for u, names in unit_names(config)]
+    return list(_UNITS[key])
+
+
+_UNITS: dict = {}          # unit_elements' answers: a pure function of the config, tp, t
 
 
 def unit_phases(config, tp: int = 1, t: int = 0) -> list[int]:
@@ -300,6 +309,7 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
     per call, a pipeline message each, the ring's N_C - 1 per pass of a layer).
     """
     import math
+    from collections import Counter
 
     from .context import ContextLayout, ring_attention_bytes
     from .grads import pack_buckets
@@ -325,12 +335,12 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     by_op: dict = {}
                     steps = 0                     # rounds of messages, for the latency
 
-                    def add(group, op, M, n, r, root=0):
+                    def add(group, op, M, n, r, root=0, times=1):
                         nonlocal steps
                         sent = collective_bytes(op, algorithm, M, n, itemsize,
                                                 root)["sent"][r]
-                        by_op[(group, op)] = by_op.get((group, op), 0) + sent
-                        steps += collective_rounds(op, algorithm, n)
+                        by_op[(group, op)] = by_op.get((group, op), 0) + times * sent
+                        steps += times * collective_rounds(op, algorithm, n)
 
                     local = {n: math.prod(local_shape(n, shapes[n], config, tp, t))
                              for n in names}
@@ -347,14 +357,12 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                         forward, backward = span_collectives(
                             config, micro, S_c, sp, n_layers, chunk == 0,
                             chunk == pp * virtual - 1)
-                        for op, M in (forward + backward) * K:
-                            add("tp", op, M, tp, t)
+                        for (op, M), times in Counter(forward + backward).items():
+                            add("tp", op, M, tp, t, times=times * K)
                         if sp and tp > 1 and replicated:
-                            for _ in range(K):
-                                add("tp", "all_reduce", replicated, tp, t)
+                            add("tp", "all_reduce", replicated, tp, t, times=K)
                         if kv:
-                            for _ in range(K):
-                                add("kv", "all_reduce", kv, sharing, t % sharing)
+                            add("kv", "all_reduce", kv, sharing, t % sharing, times=K)
                         if ring is not None and n_layers:
                             moved = ring_attention_bytes(ring, micro, k1 - k0,
                                                          config.head_dim, itemsize=itemsize)
@@ -373,13 +381,11 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                             add("dp", "all_reduce", 1, dp, d)
                         add("pp", "broadcast", 1, pp, s, root=pp - 1)
                         if last and C > 1:          # each micro-batch's loss over the ring
-                            for _ in range(K):
-                                add("cp", "all_reduce", 2, C, c)
+                            add("cp", "all_reduce", 2, C, c, times=K)
                         if config.tied_head and first != last:
                             add("embedding", "all_reduce", local["wte"], 2, int(last))
                     elif data > 1:
-                        for _ in range(K):
-                            add(data_name, "all_reduce", 2, data, d * C + c)
+                        add(data_name, "all_reduce", 2, data, d * C + c, times=K)
                         if K > 1 and dp > 1:
                             add("dp", "all_reduce", K, dp, d)
                     gradient = zero_collectives(config, tp, t, data, zero, K,
@@ -389,8 +395,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                                     for names in pack_buckets(list(local.items()), itemsize,
                                                               bucket_bytes)
                                     ] + [call for call in gradient if call[0] == "all_gather"]
-                    for op, M in gradient:
-                        add(data_name, op, M, data, d * C + c)
+                    for (op, M), times in Counter(gradient).items():
+                        add(data_name, op, M, data, d * C + c, times=times)
                     ranks = dict(tp=(tp, t), data=(data, d * C + c), pp=(pp, s))
                     for group, op, M in clip_collectives(zero, pp) if clip else []:
                         add(data_name if group == "data" else group, op, M, *ranks[group])
