@@ -336,3 +336,33 @@ def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_to_resume(text, t
     assert ours[0]["step"] == 3
     assert _rel(ours[1]["params"], theirs[1]["params"]) < 1e-12
     assert _rel(ours[0]["history"]["loss"], theirs[0]["history"]["loss"]) < 1e-12
+
+
+@pytest.mark.parametrize("layout", [
+    [],
+    ["--simulate", "4", "--dp", "2", "--tp", "2", "--sp"],
+    ["--simulate", "4", "--pp", "2", "--dp", "2", "--micro-batches", "2", "--zero", "1"],
+    ["--simulate", "4", "--zero", "3", "--dp", "4"],
+    ["--simulate", "4", "--cp", "2", "--tp", "2"],
+    ["--simulate", "4", "--pp", "2", "--cp", "2", "--micro-batches", "2"],
+    ["--simulate", "2", "--dp", "2", "--micro-batches", "2", "--dtype", "float64"],
+], ids=["one device", "dp2 x tp2 sp", "pp2 x dp2 zero1", "zero3 dp4", "cp2 x tp2",
+        "pp2 x cp2", "dp2 K=2 float64"])
+def test_the_command_line_prints_the_plan_and_measures_it(text, tmp_path, capsys, layout):
+    """Before step 1 rank 0 prints plan()'s state held on the fullest rank and bytes sent
+    by the busiest in a step; after the run, the same quantities as the ranks measured
+    them (their flat buffers, or ZeRO-3's ledger; the bytes their steps sent): equal, in
+    float32 (the model's messages 4 bytes a number, the step's bookkeeping 8) and float64,
+    with the trainer's clipping."""
+    argv = ["--text", text, "--seq-len", "8", "--batch-size", "4", "--d-model", "16",
+            "--n-layers", "2", "--steps", "2", "--warmup-steps", "0",
+            "--no-progress", "--out-dir", str(tmp_path / "run"), *layout]
+    assert T.main(argv) == 0
+    err = capsys.readouterr().err
+    planned = [line[len("plan: "):] for line in err.splitlines() if line.startswith("plan: ")]
+    measured = [line[len("measured: "):] for line in err.splitlines()
+                if line.startswith("measured: ")]
+    assert len(planned) == len(measured) == 1, err
+    assert measured[0].startswith(planned[0] + "; "), (planned, measured)
+    held = int(planned[0].split(" bytes")[0].replace(",", ""))
+    assert held > 0

@@ -436,6 +436,8 @@ class Trainer:
     def _start(self):
         self.step = 0
         self.history: dict[str, list] = {k: [] for k in self.HISTORY_KEYS}
+        # what this rank's steps measured: bytes sent in each step, seconds of each
+        self.measured: dict[str, list] = {"sent": [], "seconds": []}
         self.last_saved: Path | None = None   # the checkpoint this trainer last wrote
         if self.config.out_dir is not None and self.rank0:
             prepare_out_dir(self.config.out_dir)
@@ -510,6 +512,28 @@ class Trainer:
         self.last_grad_norm = self.optimizer.last_norm      # None without clipping
         self.step += 1
         return loss
+
+    def plan(self):
+        """tfcore.parallel.plan of this run's model and layout on its batch [B, S] (its
+        memory per rank, bytes per step per rank), or None for a task that is not the
+        decoder's."""
+        from .parallel import plan
+
+        if not isinstance(self.model_config, DecoderConfig):
+            return None
+        return plan(self.model_config, self.layout, batch=self.config.batch_size,
+                    seq=self.config.seq_len, dtype=self.config.dtype)
+
+    def held(self) -> dict:
+        """Bytes of the parameters, gradients and AdamW state this rank holds (plan's
+        memory): runner.held_bytes on a rank of a layout, the flat buffers on one device."""
+        if self.run_state is not None:
+            from .parallel.runner import held_bytes
+
+            return held_bytes(self.run_state)
+        b = np.dtype(self.params.dtype).itemsize
+        return dict(params=self.params.data.size * b, grads=self.params.grad.size * b,
+                    optimizer=(self.optimizer.m.size + self.optimizer.v.size) * b)
 
     def evaluate(self) -> dict:
         """Mean loss over eval_batches fixed validation batches (digit tasks: 500 held-out
@@ -603,8 +627,13 @@ class Trainer:
         try:
             while self.step < until:
                 start = time.perf_counter()
+                before = 0 if self.world is None else self.world.traffic.sent
                 loss = self.train_step()
-                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                seconds = time.perf_counter() - start
+                self.measured["sent"].append(
+                    0 if self.world is None else self.world.traffic.sent - before)
+                self.measured["seconds"].append(seconds)
+                rate = tokens / max(seconds, 1e-9)
                 record = {"step": self.step, "loss": loss, "lr": self.optimizer.lr,
                           "grad_norm": self.last_grad_norm, "tokens_per_s": rate}
                 for key, value in record.items():
@@ -1187,6 +1216,17 @@ def _caught(session):
     return body
 
 
+def _state(memory: dict) -> int:
+    """Bytes of parameters, gradients and AdamW state in a memory dict (plan's or held)."""
+    return memory["params"] + memory["grads"] + memory["optimizer"]
+
+
+def _account(held: int, sent: int) -> str:
+    """The line plan and measurement share, so that they compare digit for digit."""
+    return (f"{held:,d} bytes of parameters, gradients and AdamW state on the fullest "
+            f"rank, {sent:,d} bytes sent in a step by the busiest")
+
+
 def _report(trainer: "Trainer", resume) -> int:
     """Train, with rank 0's account of it on stderr and stdout."""
     cfg = trainer.config
@@ -1203,14 +1243,25 @@ def _report(trainer: "Trainer", resume) -> int:
                       + ")")
         print(f"model: {count:,} parameters, task {cfg.task}, {cfg.steps} steps, backend "
               f"{backend.get_backend()}{where}, output {cfg.out_dir}", file=sys.stderr)
+    planned = trainer.plan()
+    if trainer.rank0 and planned is not None:
+        print("plan: " + _account(max(_state(m) for m in planned.memory_per_rank),
+                                  max(planned.sent)), file=sys.stderr)
     if trainer.step >= cfg.steps:
         if trainer.rank0:
             print(f"nothing to train: {resume} is at step {trainer.step} of {cfg.steps}; "
                   "nothing was written", file=sys.stderr)
         return 0
     trainer.run()
+    mine = (_state(trainer.held()), trainer.measured["sent"][-1],
+            sum(trainer.measured["seconds"]) / len(trainer.measured["seconds"]))
+    ranks = [mine] if trainer.world is None else trainer.world.all_gather_object(mine)
     if not trainer.rank0:
         return 0
+    if planned is not None:
+        print("measured: " + _account(max(r[0] for r in ranks), max(r[1] for r in ranks))
+              + f"; {max(r[2] for r in ranks):.3g} s a step (the slowest rank's mean)",
+              file=sys.stderr)
     if trainer.history["eval_step"]:
         acc = trainer.history["val_accuracy"][-1]
         print(f"step {trainer.step}: train loss {trainer.history['loss'][-1]:.4g}, "

@@ -42,7 +42,7 @@ from .pipeline import (
     pipeline_step,
     share_losses,
 )
-from .runner import build, train_step
+from .runner import build, held_bytes, train_step
 
 CONFIGS = {
     # small enough for a test, big enough to split 4 ways (heads, d_ff) and unevenly (V)
@@ -213,7 +213,8 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     if stage >= 2:
         out.update(ledger=model.ledger, local_params=model.size, shard_size=model.shard_size)
     else:
-        out.update(local_params=model.params.size, held=held_bytes(run))
+        out.update(local_params=model.params.size)
+    out["held"] = held_bytes(run)
     return out
 
 
@@ -290,14 +291,6 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
                 coords=(mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
                 local_params=stage.params.size, held=held_bytes(run))
 
-
-def held_bytes(run) -> dict:
-    """Bytes of the parameters, gradients and AdamW moments this rank keeps (a flat buffer
-    each; ZeRO-1: the moments of its chunk): what plan() prices as memory."""
-    params, opt = run.model.params, run.optimizer
-    b = np.dtype(params.dtype).itemsize
-    return dict(params=params.data.size * b, grads=params.grad.size * b,
-                optimizer=(opt.m.size + opt.v.size) * b)
 
 
 def train_sharded(world, config: DecoderConfig, steps: int, batch: int, seq: int,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from .. import backend
 from ..models.decoder import DecoderConfig
 from .grads import (
@@ -117,3 +119,14 @@ def train_step(run: Run, ids, targets, batch: int, dropout=None, overlap: bool =
     return loss, exposed
 
 
+def held_bytes(run: Run) -> dict:
+    """Bytes of the parameters, gradients and AdamW state this rank holds, what plan()
+    prices as memory: its flat buffers (ZeRO-1: AdamW's moments of its chunk), or under
+    ZeRO-2/3 the ledger's peak (its shard and the units gathered at once)."""
+    if run.layout.zero >= 2:
+        peak = run.model.ledger.peak()
+        return {kind: peak[kind] for kind in ("params", "grads", "optimizer")}
+    params, opt = run.model.params, run.optimizer
+    b = np.dtype(params.dtype).itemsize
+    return dict(params=params.data.size * b, grads=params.grad.size * b,
+                optimizer=(opt.m.size + opt.v.size) * b)

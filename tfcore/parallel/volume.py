@@ -305,6 +305,9 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
       bucket_bytes an all-reduce of each bucket, grads.pack_buckets, in place of ZeRO-0's
       all-reduce or ZeRO-1's reduce-scatter), and with
       clipping the global norm's sums (one element per group, grads.global_sum_of_squares).
+    The step's bookkeeping numbers (token counts, the accumulation weights' counts, the
+    loss a pipeline shares, the norm's partial sums) travel as float64 whatever the model's
+    dtype (SCALAR bytes each); the loss and count of the cross-entropy in the model's.
     rounds: a list to which each rank's rounds of messages are appended (collective_rounds
     per call, a pipeline message each, the ring's N_C - 1 per pass of a layer).
     """
@@ -335,10 +338,9 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     by_op: dict = {}
                     steps = 0                     # rounds of messages, for the latency
 
-                    def add(group, op, M, n, r, root=0, times=1):
+                    def add(group, op, M, n, r, root=0, times=1, size=itemsize):
                         nonlocal steps
-                        sent = collective_bytes(op, algorithm, M, n, itemsize,
-                                                root)["sent"][r]
+                        sent = collective_bytes(op, algorithm, M, n, size, root)["sent"][r]
                         by_op[(group, op)] = by_op.get((group, op), 0) + times * sent
                         steps += times * collective_rounds(op, algorithm, n)
 
@@ -377,9 +379,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                             pp, s, K, virtual, tokens, D, itemsize)
                         steps += pipeline_bytes_sent(pp, s, K, virtual, 1, 1, 1)
                         if last and dp > 1:             # T_c, and the step's loss shared
-                            add("dp", "all_reduce", 1, dp, d)
-                            add("dp", "all_reduce", 1, dp, d)
-                        add("pp", "broadcast", 1, pp, s, root=pp - 1)
+                            add("dp", "all_reduce", 1, dp, d, times=2, size=SCALAR)
+                        add("pp", "broadcast", 1, pp, s, root=pp - 1, size=SCALAR)
                         if last and C > 1:          # each micro-batch's loss over the ring
                             add("cp", "all_reduce", 2, C, c, times=K)
                         if config.tied_head and first != last:
@@ -387,7 +388,7 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     elif data > 1:
                         add(data_name, "all_reduce", 2, data, d * C + c, times=K)
                         if K > 1 and dp > 1:
-                            add("dp", "all_reduce", K, dp, d)
+                            add("dp", "all_reduce", K, dp, d, size=SCALAR)
                     gradient = zero_collectives(config, tp, t, data, zero, K,
                                                 sum(local.values()))
                     if bucket_bytes is not None and data > 1:    # all-reduced in buckets
@@ -399,11 +400,15 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                         add(data_name, op, M, data, d * C + c, times=times)
                     ranks = dict(tp=(tp, t), data=(data, d * C + c), pp=(pp, s))
                     for group, op, M in clip_collectives(zero, pp) if clip else []:
-                        add(data_name if group == "data" else group, op, M, *ranks[group])
+                        add(data_name if group == "data" else group, op, M, *ranks[group],
+                            size=SCALAR)
                     out.append(by_op)
                     if rounds is not None:
                         rounds.append(steps)
     return out
+
+
+SCALAR = 8      # bytes of the float64 bookkeeping numbers a step exchanges
 
 
 def collective_rounds(op: str, algorithm: str, n: int) -> int:
