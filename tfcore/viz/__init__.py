@@ -6,6 +6,10 @@ module of tfcore outside viz imports matplotlib.
 
     loss        a run's loss curves from its log.jsonl: read_log, moving_average,
                 plot_run (python -m tfcore.plot is its command line)
+    moe         a mixture of experts (chapter 24): routing_data / draw_routing,
+                draw_dispatch (tokens to experts, the [N_E, C] buffer and what drops),
+                send_matrix_data / draw_send_matrix (the expert-parallel all-to-all),
+                draw_expert_load (each expert's share of the assignments per step)
     parallel    the parallel layouts, one `*_data` function (runs the real thing on
                 simulated ranks, returns plain numbers the chapters assert on) beside
                 each `draw_*` function (draws those numbers on a matplotlib Axes):
