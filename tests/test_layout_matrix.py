@@ -189,3 +189,62 @@ def test_mixed_precision_composes_with_the_layouts(lname):
     assert _rel(full["losses"], full_one["losses"]) < 1e-6          # float32 composes
     assert _rel(low["losses"], full["losses"]) > 1e-6               # the products rounded
     assert _rel(low["losses"], one["losses"]) < 2.0 ** -7           # bfloat16 composes
+
+
+ACTIVATION_LAYOUTS = {
+    "dp2": Layout(dp=2),
+    "dp2, zero3": Layout(dp=2, zero=3),
+    "tp2": Layout(tp=2),
+    "tp2, sp": Layout(tp=2, sp=True),
+    "tp4, sp": Layout(tp=4, sp=True),
+    "pp2 x tp2, sp": Layout(pp=2, tp=2, sp=True, micro_batches=2),
+    "pp2 x dp2, gpipe": Layout(pp=2, dp=2, micro_batches=2, schedule="gpipe"),
+    "pp2, v2": Layout(pp=2, micro_batches=2, virtual=2),
+}
+ACTIVATION_CASES = [(l, f) for l, layout in ACTIVATION_LAYOUTS.items()
+                    for f, config in FEATURES.items()
+                    if layout.refusal(dataclasses.replace(config, n_layers=4)) is None]
+
+
+def _cache_bytes(world, config, layout):
+    """The bytes this rank's caches keep after one training forward of its rows."""
+    from tfcore import backend
+    from tfcore.models.decoder import DecoderLM
+    from tfcore.models.sizes import held_bytes
+    from tfcore.parallel.harness import HYPER, make_batches
+    from tfcore.parallel.optimizer import ZeRO23
+    from tfcore.parallel.runner import build
+
+    run = build(world, config, layout, HYPER)
+    model, rows = run.model, BATCH // layout.dp
+    model.load_full(DecoderLM(config).init(0).params)
+    ids, targets = make_batches(config, 1, BATCH, SEQ)
+    r0 = run.mesh.dp_rank * rows
+    x, y = (backend.asarray(a[0, r0:r0 + rows]) for a in (ids, targets))
+    train = dict(training=True, rng=backend.default_rng(1)) if config.dropout else {}
+    model.forward(x, y, batch_rows=(r0, r0 + rows, BATCH), **train)
+    tables = [model._sinusoidal, *(model._rope or ())]
+    params = ZeRO23.buffers(model) if layout.zero >= 2 else model.params
+    return held_bytes(model._cache, [params.data, params.grad, x, y, *tables])
+
+
+@pytest.mark.parametrize("lname,fname", ACTIVATION_CASES,
+                         ids=[f"{l} | {f}" for l, f in ACTIVATION_CASES])
+def test_the_activations_of_a_layout_are_its_formula(lname, fname):
+    """plan()'s activations per rank are the bytes its caches keep, measured as they are
+    kept (sizes.held_bytes: every buffer once): after a forward of the rank's rows under
+    tensor and sequence parallelism and data parallelism, and at a pipeline rank's peak
+    over its schedule (the executor's count of the chunk caches alive at once)."""
+    from tfcore.parallel import plan
+
+    layout = ACTIVATION_LAYOUTS[lname]
+    config = dataclasses.replace(FEATURES[fname], n_layers=4)    # 2 blocks a chunk
+    priced = [m["activations"] for m in plan(config, layout, batch=BATCH,
+                                             seq=SEQ).memory_per_rank]
+    group = SimulatedGroup(layout.world_size)
+    if layout.pp is None:
+        measured = group.run(_cache_bytes, config, layout)
+    else:
+        out = group.run(train_layout, config, layout, 1, BATCH, SEQ, gather=False)
+        measured = [o["peak_bytes"] for o in out]
+    assert priced == measured

@@ -80,7 +80,8 @@ def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool,
 
 
 def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype,
-                           attention="dense", n_kv_heads=None, recompute="none"):
+                           attention="dense", n_kv_heads=None, recompute="none", tp=1,
+                           kv_local=None, sp=False):
     """Bytes one block's caches keep after a training forward (see the module docstring).
 
     recompute (chapter 17): "full" keeps only the block's input [N, D]; "selective" keeps
@@ -97,25 +98,39 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     [B, H, S, S], the merged heads [N, D], the MLP input and its hidden layer(s):
     GELU keeps its input and output (2 N F), ReLU its output (N F, and a bool mask),
     SwiGLU both inputs and the output (3 N F).
+
+    A tensor-parallel rank (tp = N_T > 1, chapter 12) keeps the same caches for its
+    h = H / N_T query heads, its kv_local key/value heads (H_kv / N_T, or the one it shares
+    when H_kv < N_T) and its F / N_T hidden columns; the sublayers' inputs (gathered under
+    sequence parallelism) are whole [N, D]; the norms, the residual dropout masks and the
+    block's input under full recomputation are [N / N_T, D] with sp (chapter 12's sequence
+    parallelism), whole without.
     """
-    N, D, F_ = batch * seq, d_model, d_ff
+    N, D = batch * seq, d_model
+    D_h, rows = D // n_heads, N // tp if sp else N          # rows: the norms' tokens
+    h = n_heads // tp
+    g = (n_kv_heads or n_heads) if kv_local is None else kv_local
+    g = g if tp == 1 or kv_local is not None else g // tp
     if recompute == "full":
-        return N * D * _itemsize(dtype)
-    scores = batch * n_heads * seq * seq
-    hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
+        return rows * D * _itemsize(dtype)
+    scores = batch * h * seq * seq
+    hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * d_ff // tp
     if attention == "tiled":          # the output is a view of the merged heads: lse only
-        scores_kept, scores_masks = batch * n_heads * seq, 0
+        scores_kept, scores_masks = batch * h * seq, 0
     elif recompute == "selective":
         scores_kept, scores_masks = 0, 0
     else:
         scores_kept, scores_masks = scores, scores
-    floats = 8 * N * D + 2 * N + (2 * N * D if rotary else 0) + scores_kept + hidden
-    if n_kv_heads is not None and n_kv_heads != n_heads:
-        # without rotary, q is a view of the fused output [N, D + 2 H_kv D_h] (in place of
-        # [N, 3D]) and the repeated k, v add [N, D] each; with rotary, q is a rotated copy and
-        # k, v repeated copies, so neither the fused output nor the rotated k stays alive
-        floats += -2 * N * D if rotary else 2 * N * (D // n_heads * n_kv_heads)
-    bools = (scores_masks + 2 * N * D if dropout else 0) + (N * F_ if mlp == "relu" else 0)
+    if g == h:       # the fused q, k, v output; rotary: new q and k (v stays a view of it)
+        qkv = N * (h + 2 * g) * D_h + (N * (h + g) * D_h if rotary else 0)
+    elif rotary:     # grouped: q a rotated copy, k and v repeated copies (the fused output
+        qkv = 3 * N * h * D_h                      # and the rotated k are not kept alive)
+    else:            # q a view of the fused output; the repeated k and v
+        qkv = N * (h + 2 * g) * D_h + 2 * N * h * D_h
+    norms = 2 * rows * D + 2 * rows                       # xhat and 1/std of both norms
+    floats = norms + 2 * N * D + qkv + scores_kept + N * h * D_h + hidden
+    bools = (scores_masks + 2 * rows * D if dropout else 0) + (
+        N * d_ff // tp if mlp == "relu" else 0)
     return floats * _itemsize(dtype) + bools * BOOL_BYTES
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from .. import backend
 from ..models.decoder import IGNORE_INDEX, DecoderConfig, DecoderLM
 from ..models.parts import count_rows
+from ..models.sizes import held_bytes
 from .mesh import Mesh
 from .layout import SCHEDULES, Layout
 from .model import TensorParallelDecoder, check_layout, config_hash, shard_rule
@@ -338,20 +339,6 @@ class PipelineStage(TensorParallelDecoder):
         return dx
 
 
-def cache_bytes(cache) -> int:
-    """Bytes of the distinct arrays a cache holds (nested tuples and lists)."""
-    seen, total, stack = set(), 0, [cache]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, (tuple, list)):
-            stack.extend(obj)
-        elif (isinstance(obj, np.ndarray) or hasattr(type(obj), "__array_namespace__")) \
-                and id(obj) not in seen:
-            seen.add(id(obj))
-            total += int(getattr(obj, "_array", obj).nbytes)   # array-api-strict wraps NumPy
-    return total
-
-
 # ---------------------------------------------------------------------------------------
 # The executor
 
@@ -386,7 +373,8 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
     (forward_schedule: an evaluation) whose caches are dropped at once. -> dict(loss (the
     step's loss on the last stage, else None), record [(op, micro-batch, chunk, key of
     the message waited for or None)], peak_live, peak_bytes, chunk_bytes {chunk: bytes of
-    one micro-batch's cache})."""
+    one micro-batch's cache: the buffers it keeps alive, sizes.held_bytes, without the
+    parameters, the ids and targets and the position tables})."""
     p, v = stage.n_stages, stage.n_virtual
     r = stage.stage
     xp = backend.xp()
@@ -431,13 +419,15 @@ def run_pipeline_step(stage: PipelineStage, pp, schedule, ids, targets, count_to
                 waited = ("F", i, s - 1)
                 inputs = receive(("F", i, s), (s - 1) % p)
             rng, rows = (None, None) if dropout is None else (dropout[0](), dropout[1][i])
-            out, cache = stage.chunk_forward(c, inputs, backend.asarray(targets[i])
-                                             if s == last else None, seq=seq, rng=rng,
+            chunk_targets = backend.asarray(targets[i]) if s == last else None
+            out, cache = stage.chunk_forward(c, inputs, chunk_targets, seq=seq, rng=rng,
                                              rows=rows)
             if not forward_only:           # (an evaluation keeps no cache)
                 caches[(i, c)] = cache
                 live += 1
-                chunk_bytes[c] = cache_bytes(cache)    # the same for every micro-batch
+                chunk_bytes[c] = held_bytes(cache, [    # the same for every micro-batch
+                    stage.params.data, stage.params.grad, chunk_targets,
+                    inputs if s == 0 else None, stage._sinusoidal, *(stage._rope or ())])
                 live_bytes += chunk_bytes[c]
                 peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
             if s == last:

@@ -27,11 +27,14 @@ second copy of wte on the last stage; ZeRO-1 chunks AdamW's state over the data 
 p.peak_caches[w] the most chunk caches (one micro-batch through one chunk) a pipeline rank
 holds at once (peak_stored_microbatches).
 
-The activations are one device's caches for one micro-batch of one data-parallel rank
-(sizes.py), priced without tp, pp or cp; there they are None rather than a guess: the
-parallel model's caches keep more (the vocabulary masks and indices of its embedding and
-cross-entropy, a ring's partial softmax statistics), and that difference has no closed form
-here yet.
+The activations are the bytes a rank's caches keep at the step's peak, for one
+micro-batch: one device's (DecoderLM, sizes.decoder_sizes) alone; a rank of the parallel
+decoder volume.rank_activation_bytes (its heads and columns under tensor parallelism, its
+rows under sequence parallelism, the vocab-parallel embedding's and cross-entropy's masks
+and indices); a pipeline rank the most chunk caches its schedule keeps at once (walking
+its operations). Tests compare each with the caches as held (test_layout_matrix.py). They
+are None rather than a guess with a ring (its caches have no closed form here yet) and
+under mixed precision (tfcore's autocast keeps float32 arrays where a GPU keeps bfloat16).
 
 A layout that Layout.validate refuses (layout.REFUSALS: the one list of the combinations
 that do not train, shared with the command line and the builders) raises its ValueError,
@@ -52,9 +55,10 @@ from .pipeline import (
     bubble_fraction,
     make_schedule,
     peak_stored_microbatches,
+    stage_layers,
     stage_param_names,
 )
-from .volume import layout_traffic, local_shape, zero_memory
+from .volume import layout_traffic, local_shape, rank_activation_bytes, zero_memory
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 # bytes per element of each kind of state under mixed precision: low-precision weights and
@@ -262,15 +266,15 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         zero=zero, sp=sp, micro_batches=microbatches, virtual=virtual, balanced=balanced,
         clip=clip, bucket_bytes=layout_buckets, algorithm=algorithm, itemsize=f,
         rounds=rounds)
-    activations = None
-    if tp == 1 and pp == 1 and cp == 1 and not mixed_precision and dtype in (
-            "float32", "float64"):
-        activations = decoder_sizes(replace(config, dtype=dtype),       # one micro-batch
-                                    batch // (dp * microbatches), seq)["activation_bytes"]
+    model = replace(config, dtype=dtype)
+    priced = cp == 1 and not mixed_precision and dtype in ("float32", "float64")
+    micro = batch // (dp * microbatches)                         # rows of a micro-batch
     memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero,
                              MIXED if mixed_precision else dict(
                                  params=f, grads=f, gathered=f, optimizer=2 * f),
-                             activations)
+                             _activations(model, micro, seq, tp, t, sp, pp, s, virtual,
+                                          microbatches, schedule, dp * tp * pp == 1)
+                             if priced else None)
                        for d in range(dp) for s in range(pp) for c in range(cp)
                        for t in range(tp)]
     traffic_per_rank = [{f"{g} {op}": b for (g, op), b in sorted(r.items()) if b}
@@ -289,6 +293,30 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         time = step_time(config, batch, seq, len(sent), slowest, bubble, cluster)
     return Plan(layout, memory_per_rank[fullest], memory_per_rank,
                 traffic_per_rank[busiest], traffic_per_rank, sent, bubble, peak, time)
+
+
+def _activations(config, rows, seq, tp, t, sp, pp, s, virtual, microbatches, schedule,
+                 one_device) -> int:
+    """Bytes of the caches rank (s, t) holds at its peak: one device's (DecoderLM:
+    sizes.decoder_sizes) alone; a rank of the parallel decoder volume.rank_activation_bytes
+    for one micro-batch; a pipeline stage the most its schedule keeps at once: walking its
+    operations, each forward of a chunk adds that chunk's caches (its blocks, the
+    embedding's on chunk 0, the head's and the loss's on the last) and its backward frees
+    them."""
+    if one_device:
+        return decoder_sizes(config, rows, seq)["activation_bytes"]
+    if pp == 1:
+        return rank_activation_bytes(config, rows, seq, tp, t, sp)
+    last = pp * virtual - 1
+    chunk = {c: rank_activation_bytes(config, rows, seq, tp, t, sp,
+                                      len(stage_layers(config, pp, virtual, c * pp + s)),
+                                      c * pp + s == 0, c * pp + s == last)
+             for c in range(virtual)}
+    held = peak = 0
+    for op, _, c in make_schedule(schedule, pp, microbatches, virtual)[s]:
+        held += chunk[c] if op == "F" else -chunk[c]
+        peak = max(peak, held)
+    return peak
 
 
 def _held(config, tp, t, pp, s, virtual, data, r, zero, size, activations) -> dict:

@@ -431,6 +431,42 @@ def step_traffic(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool,
                           itemsize=itemsize)
 
 
+def rank_activation_bytes(config, rows: int, seq: int, tp: int = 1, t: int = 0,
+                          sp: bool = False, n_layers: int | None = None, first: bool = True,
+                          last: bool = True, training: bool = True) -> int:
+    """Bytes the caches of one forward of a span of the parallel decoder keep on
+    tensor-parallel rank t, for [rows, seq] tokens (N = rows seq): n_layers blocks
+    (sizes.block_activation_bytes with this rank's heads and columns), and
+      first  the vocab-parallel embedding's row index and mask (int64 [N], bool [N]), its
+             dropout mask [N_r, D] (N_r = N / N_T under sp, else N)
+      last   the final norm's xhat and 1/std [N_r, D], [N_r] (pre-norm), the head's input
+             [N, D] (gathered under sp), the vocab-parallel cross-entropy's probabilities
+             [N, V_t] and its target index, ownership mask and count mask (int64, bool,
+             bool [N])
+    in the config's dtype; training=False leaves out dropout's masks."""
+    from ..models.sizes import BOOL_BYTES, INT64_BYTES, block_activation_bytes
+    from .parts import kv_heads_of
+
+    c, N = config, rows * seq
+    f = {"float64": 8, "float32": 4}[c.dtype]
+    n_rows = N // tp if sp else N
+    dropout = training and c.dropout > 0
+    k0, k1 = kv_heads_of(c, tp, t)
+    L = c.n_layers if n_layers is None else n_layers
+    total = L * block_activation_bytes(
+        rows, seq, c.d_model, c.n_heads, c.d_ff, c.mlp, c.position == "rotary", dropout,
+        c.dtype, c.attention, c.n_kv_heads, c.recompute, tp=tp, kv_local=k1 - k0, sp=sp)
+    if first:
+        total += N * (INT64_BYTES + BOOL_BYTES) + (n_rows * c.d_model * BOOL_BYTES
+                                                   if dropout else 0)
+    if last:
+        a, b = chunk_bounds(c.vocab_size, tp)[t]
+        norm = (n_rows * c.d_model + n_rows) * f if c.norm_placement == "pre" else 0
+        total += norm + N * c.d_model * f + N * (b - a) * f + N * (INT64_BYTES
+                                                                     + 2 * BOOL_BYTES)
+    return total
+
+
 def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
                 itemsize: int = 8) -> dict:
     """Bytes of parameters, gradients and AdamW state that rank (d, t) holds at the peak of
