@@ -21,7 +21,8 @@ layout runs in the browser, one JavaScript function for each closed form it mirr
     localElements, units       volume.local_shape, unit_elements, local_parameters
     zeroMemory, zeroCalls      volume.zero_memory, zero_collectives
     meshCalls, priceMesh       volume.step_collectives, step_traffic; plan's dp x tp branch
-    activationBytes            models.sizes.decoder_sizes' activation_bytes
+    activationBytes            models.sizes.decoder_sizes' activation_bytes (one device)
+    rankActivationBytes        volume.rank_activation_bytes (a rank of the parallel decoder)
     plan                       plan()'s checks, in its order, and its branches
 
 Byte counts are BigInt, so every one is exact however large. Pipelines (pp > 1) and
@@ -333,6 +334,9 @@ function meshCalls(m, x, b) {
   return calls;
 }
 
+// the hidden layers an MLP keeps, in units of [N, F] (sizes.block_activation_bytes)
+const HIDDEN = { gelu: 2, relu: 1, swiglu: 3 };
+
 // models.sizes.decoder_sizes(config with dtype, b, S)["activation_bytes"], f bytes a float
 function activationBytes(m, b, S, f, recompute) {
   const N = b * S, D = B(m.D), F = B(m.F), H = B(m.H);
@@ -341,7 +345,7 @@ function activationBytes(m, b, S, f, recompute) {
     block = N * D * f;                                // only the block's input
   } else {
     const scores = b * H * S * S;
-    const hidden = B({ gelu: 2, relu: 1, swiglu: 3 }[m.mlp]) * N * F;
+    const hidden = B(HIDDEN[m.mlp]) * N * F;
     let kept = scores, masks = scores;
     if (m.attention === "tiled") { kept = b * H * S; masks = 0n; }
     else if (recompute === "selective") { kept = 0n; masks = 0n; }
@@ -353,6 +357,37 @@ function activationBytes(m, b, S, f, recompute) {
   const final = (m.pre ? 2n * N * D + N : N * D) * f + (m.dropout ? N * D : 0n);
   const loss = N * B(m.V) * f + 8n * N + N;           // probabilities, int64 labels, mask
   return B(m.L) * block + final + loss;
+}
+
+// volume.rank_activation_bytes: a rank of the parallel decoder, one micro-batch of b rows
+// (models.sizes.block_activation_bytes for its heads, key/value heads and columns; the
+// norms on N / tp rows under sp; the embedding's index and mask, the head's input, the
+// cross-entropy's probabilities [N, V_t] with its index and two masks)
+function rankActivationBytes(m, b, S, f, recompute, tp, t, sp) {
+  const N = b * S, D = B(m.D), Dh = B(m.Dh), F = B(m.F) / B(tp);
+  const rows = sp ? N / B(tp) : N;
+  const h = B(m.H / tp), [k0, k1] = kvHeads(m, tp, t), g = B(k1 - k0);
+  let block;
+  if (recompute === "full") {
+    block = rows * D * f;                             // only the block's input
+  } else {
+    const scores = b * h * S * S;
+    const hidden = B(HIDDEN[m.mlp]) * N * F;
+    let kept = scores, masks = scores;
+    if (m.attention === "tiled") { kept = b * h * S; masks = 0n; }
+    else if (recompute === "selective") { kept = 0n; masks = 0n; }
+    let qkv;                                          // the fused output, rotated, repeated
+    if (g === h) qkv = N * (h + 2n * g) * Dh + (m.rotary ? N * (h + g) * Dh : 0n);
+    else if (m.rotary) qkv = 3n * N * h * Dh;
+    else qkv = N * (h + 2n * g) * Dh + 2n * N * h * Dh;
+    const floats = 2n * rows * D + 2n * rows + 2n * N * D + qkv + kept + N * h * Dh + hidden;
+    const bools = (m.dropout ? masks + 2n * rows * D : 0n) + (m.mlp === "relu" ? N * F : 0n);
+    block = floats * f + bools;
+  }
+  const first = 9n * N + (m.dropout ? rows * D : 0n);  // int64 index, bool mask; dropout
+  const last = (m.pre ? (rows * D + rows) * f : 0n) + N * D * f
+    + N * chunk(B(m.V), tp, t) * f + 10n * N;         // int64 index, two bool masks
+  return B(m.L) * block + first + last;
 }
 
 // the fullest rank (the first of the largest total) and the busiest (the first of the
@@ -372,8 +407,10 @@ function pick(memory, traffic) {
 // plan's dp x tp branch: every world rank w = d tp + t
 function priceMesh(m, x, f) {
   const b = B(x.rows * x.microbatches);               // batch / dp
-  const activations = x.tp === 1 && DATA.activationDtypes.includes(x.dtype)
-    ? activationBytes(m, b, B(x.seq), f, x.recompute) : null;
+  const priced = DATA.activationDtypes.includes(x.dtype);
+  const activations = (t) => !priced ? null : x.dp * x.tp === 1
+    ? activationBytes(m, b, B(x.seq), f, x.recompute)             // one device: DecoderLM
+    : rankActivationBytes(m, b, B(x.seq), f, x.recompute, x.tp, t, x.sp);
   const base = meshCalls(m, x, b);
   const sharing = m.Hkv < x.tp ? Math.floor(x.tp / m.Hkv) : 1;
   const perT = [];
@@ -384,8 +421,8 @@ function priceMesh(m, x, f) {
       const u = perT[t];
       const mem = zeroMemory(m, u, x.dp, d, x.zero);
       for (const k of Object.keys(mem)) mem[k] *= f;
-      mem.activations = activations;
-      mem.total = mem.params + mem.grads + mem.optimizer + (activations || 0n);
+      mem.activations = activations(t);
+      mem.total = mem.params + mem.grads + mem.optimizer + (mem.activations || 0n);
       memory.push(mem);
       const calls = base.concat(zeroCalls(m, u, x.dp, x.zero));
       if (sharing > 1) {                              // shared key/value heads' gradients
