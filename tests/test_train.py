@@ -303,8 +303,8 @@ def test_a_nan_gradient_stops_training_before_it_reaches_the_parameters(monkeypa
     before = host(trainer.params.data)
     backward = trainer.model.backward
 
-    def poisoned():
-        backward()
+    def poisoned(*args, **kwargs):
+        backward(*args, **kwargs)
         trainer.params.grad[0] = float("nan")
     monkeypatch.setattr(trainer.model, "backward", poisoned)
     with pytest.raises(FloatingPointError, match="nan or inf"):

@@ -4,16 +4,21 @@
     python -m tfcore.train --text my.txt --steps 2000      your own UTF-8 text, by character
     python -m tfcore.plot runs/text-20260101-120000        its loss curves, to loss.png
 
-One step (``Trainer.train_step``), in this order (a test checks it against a loop written
-out by hand)::
+One step (``Trainer.train_step``) of a decoder task is tfcore.parallel.runner.train_step,
+on one device as on every rank of a layout (tests/test_train_step.py checks the one-device
+step against the loop below written out by hand, bit for bit)::
 
     x, y    = batches.next()                                [B, S] int64, seeded sampler
-    params.zero_grad()                                      one write over the flat buffer
-    loss    = model.forward(x, y, training=True, rng=...)   dropout keyed by (seed, step)
-    model.backward()                                        every gradient into params.grad
-    clip_grad_norm(params.grad, grad_clip)                  global norm (nan/inf: an error)
     lr      = warmup_cosine(step, ...)                      the schedule, checked when set
-    AdamW step                                              refuses a nan or inf gradient
+    params.zero_grad()                                      one write over the flat buffer
+    loss    = model.forward(x, y, training=True, rng=...)   dropout keyed by (seed, step);
+    model.backward()                                        K micro-batches: weights c_k/T_c
+    AdamW step: clip_grad_norm(grad, grad_clip), update     global norm (nan/inf: an error)
+
+With --mixed-precision the forward and backward run under mixed_precision.autocast (fp16:
+the loss scaled, the gradient unscaled, an overflowed step skipped and counted). The
+autoencoder's step is written out beside it (its inputs are not tokens; see __init__).
+Every DecoderConfig field is a TrainConfig field and a flag (MODEL_FIELDS).
 
 Before the first step the constructor checks every setting (ConfigError names it), reads
 the data, builds every batcher and proves the output folder writable, so a run that starts
@@ -36,12 +41,14 @@ N straight steps as after N/2, save, load, N/2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import hashlib
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -67,15 +74,40 @@ class ConfigError(ValueError):
         self.field, self.detail = field, detail
 
 
+# The model's settings: every DecoderConfig field but the two the data decides (the
+# vocabulary, the context), made TrainConfig fields from dataclasses.fields(DecoderConfig)
+# by _with_model_fields, so a field added to the decoder is a flag of the command line.
+DATA_DECIDED = ("vocab_size", "max_seq_len")
+RENAMED = {"eps": "norm_eps"}          # TrainConfig.eps is AdamW's
+# the fields the autoencoder reads too, with the trainer's own defaults (d_ff None: 4 D)
+SHARED_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": None, "dropout": 0.0,
+                "dtype": "float32"}
+# {TrainConfig name: DecoderConfig name}, in DecoderConfig's order
+MODEL_FIELDS = {RENAMED.get(f.name, f.name): f.name for f in fields(DecoderConfig)
+                if f.name not in DATA_DECIDED}
+# the decoder tasks' own settings: None in TrainConfig means DecoderConfig's default
+DECODER_SETTINGS = tuple(n for n in MODEL_FIELDS if n not in SHARED_MODEL)
+DECODER_DEFAULTS = {n: f.default for f in fields(DecoderConfig)
+                    for n in (RENAMED.get(f.name, f.name),) if n in DECODER_SETTINGS}
+
 # The settings each task reads. One that a task ignores stays None: given, it is refused
 # rather than written into a checkpoint that would then describe a model it is not.
 TASK_SETTINGS = {
-    "text": ("seq_len", "norm", "mlp", "position"),
-    "digits": ("n_digits", "norm", "mlp", "position"),
+    "text": ("seq_len", *DECODER_SETTINGS),
+    "digits": ("n_digits", *DECODER_SETTINGS),
     "autoencoder": ("seq_len", "standardize"),
 }
-OPTIONAL_SETTINGS = {"n_digits": 6, "seq_len": 64, "standardize": True,
-                     "norm": "layernorm", "mlp": "gelu", "position": "learned"}
+OPTIONAL_SETTINGS = {"n_digits": 6, "seq_len": 64, "standardize": True, **DECODER_DEFAULTS}
+PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}     # --mixed-precision's formats
+
+
+def _model_presets() -> dict:
+    """{name: settings}: the fields in which DecoderConfig.llama differs from the plain
+    decoder of the same sizes (d_ff follows mlp: SwiGLU's width)."""
+    sizes = dict(vocab_size=2, max_seq_len=2, d_model=8, n_layers=1, n_heads=2)
+    plain, llama = DecoderConfig(**sizes), DecoderConfig.llama(**sizes)
+    return {"llama": {n: getattr(llama, d) for n, d in MODEL_FIELDS.items()
+                      if n != "d_ff" and getattr(llama, d) != getattr(plain, d)}}
 
 
 def task_family(task: str) -> str:
@@ -84,14 +116,40 @@ def task_family(task: str) -> str:
             "sort": "digits"}.get(task, task)
 
 
+def _with_model_fields(cls):
+    """Add MODEL_FIELDS to the class's fields (before @dataclass reads them): the shared
+    ones with SHARED_MODEL's defaults, the decoder's own as task settings (None: the
+    decoder's default, filled in for the tasks that read them)."""
+    for f in fields(DecoderConfig):
+        name = RENAMED.get(f.name, f.name)
+        if name not in MODEL_FIELDS:
+            continue
+        kind = str(f.type)
+        if name in DECODER_SETTINGS and "None" not in kind:
+            kind += " | None"
+        cls.__annotations__[name] = kind
+        setattr(cls, name, SHARED_MODEL.get(name))
+    return cls
+
+
+MODEL_PRESETS = _model_presets()
+
+
 @dataclass
+@_with_model_fields
 class TrainConfig:
     """Everything that decides a training run. Fields below `out_dir` may change on resume;
     every other field must match the checkpoint's.
 
     Settings marked (task) are read by some tasks only: left None they take the task's
-    default (n_digits 6, seq_len 64, standardize True, layernorm, gelu, learned), and a
-    task that does not read one refuses it.
+    default (n_digits 6, seq_len 64, standardize True, and DecoderConfig's defaults for
+    the decoder's fields), and a task that does not read one refuses it.
+
+    The model's fields follow the ones written here, one per DecoderConfig field
+    (MODEL_FIELDS; the norm's eps is norm_eps): d_model 64, n_layers 2, n_heads 4, d_ff
+    (None: 4 d_model), dropout 0 and dtype float32 for every task, the rest (norm, mlp,
+    position, attention, n_kv_heads, recompute, tied_head, bias, the mixture of experts,
+    ...) (task) settings of the decoder tasks. MODEL_PRESETS['llama'] holds Llama's.
     """
 
     task: str = "shakespeare"     # 'shakespeare' (characters), 'text' (characters of the
@@ -102,15 +160,6 @@ class TrainConfig:
     seq_len: int | None = None    # (task) text: the context length S; autoencoder: T
     standardize: bool | None = None  # (task) autoencoder: rows of mean 0, variance 1
     val_fraction: float = 0.1     # text: the last tenth of the corpus is validation
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    d_ff: int | None = None       # None: 4 d_model
-    position: str | None = None   # (task) decoder: learned, sinusoidal or rotary
-    norm: str | None = None       # (task) decoder: layernorm or rmsnorm
-    mlp: str | None = None        # (task) decoder: gelu, relu or swiglu
-    dropout: float = 0.0
-    dtype: str = "float32"
     steps: int = 200              # total updates (also the end of the cosine schedule)
     batch_size: int = 32
     lr: float = 3e-3
@@ -121,6 +170,8 @@ class TrainConfig:
     beta2: float = 0.99
     eps: float = 1e-8
     grad_clip: float = 1.0        # 0 turns clipping off
+    mixed_precision: str | None = None  # decoder tasks: 'bf16' or 'fp16' products (float32
+                                  # master weights and AdamW state; fp16: loss scaling)
     seed: int = 0                 # model init, batches and dropout all derive from it
     out_dir: str | None = None    # where checkpoint.npz and log.jsonl go (None: neither)
     eval_interval: int = 50       # evaluate every this many steps (and at the end)
@@ -131,7 +182,8 @@ class TrainConfig:
     # parallelism, the ZeRO stage, sequence parallelism and micro-batches per step (with pp:
     # the pipeline's), pipeline stages, virtual stages (model chunks) per pipeline rank and
     # the pipeline's schedule (None: 1f1b, interleaved with virtual > 1). A run may resume
-    # under another layout: a checkpoint holds one device's state
+    # under another layout: a checkpoint holds one device's state. micro_batches (gradient
+    # accumulation) is the digit tasks' too
     dp: int = 1
     tp: int = 1
     cp: int | None = None
@@ -158,8 +210,11 @@ class TrainConfig:
         family = task_family(self.task)
         for name in OPTIONAL_SETTINGS:
             if name not in TASK_SETTINGS[family] and getattr(self, name) is not None:
+                own = [n for n in TASK_SETTINGS[family] if n not in MODEL_FIELDS]
+                reads = ", ".join(own) + (" and the decoder's fields"
+                                          if family != "autoencoder" else "")
                 raise ConfigError(name, f"is not read by task {self.task!r} (it sets "
-                                  f"{', '.join(TASK_SETTINGS[family])}): leave it out")
+                                  f"{reads}): leave it out")
         if self.task == "text":
             if not isinstance(self.text, str) or not self.text:
                 raise ConfigError("text", "must name a UTF-8 file for task 'text'")
@@ -228,17 +283,40 @@ class TrainConfig:
                 raise ConfigError(name, f"must be True or False, got {value!r}")
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
             raise ConfigError("out_dir", f"must be a path, got {self.out_dir!r}")
+        model = self._checked_model(family)
+        if self.mixed_precision is not None:
+            if self.mixed_precision not in PRECISIONS:
+                raise ConfigError("mixed_precision", f"must be one of "
+                                  f"{', '.join(PRECISIONS)}, got {self.mixed_precision!r}")
+            if family == "autoencoder":
+                raise ConfigError("mixed_precision", "is for the decoder tasks: task "
+                                  "'autoencoder' trains in its dtype")
+            if self.dtype != "float32":
+                raise ConfigError("mixed_precision", f"keeps float32 master weights and "
+                                  f"AdamW state: give --dtype float32, not {self.dtype}")
         layout = self.layout()
         defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in LAYOUT_FIELDS}
-        given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]]
+        given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]
+                 and not (f == "micro_batches" and family == "digits")]
         if given and family != "text":
             raise ConfigError(given[0], f"is for the text tasks: task {self.task!r} trains on "
-                              "one device (leave the layout options out)")
-        try:       # the refusals and sizes that need no model, before any work
-            layout.validate(batch=self.batch_size,
+                              "one device (leave the layout options out"
+                              + (" but --micro-batches" if family == "digits" else "") + ")")
+        try:       # the refusals and sizes that need the model's settings only (one
+                   # device runs every model: the refusals are the ranks')
+            layout.validate(model if layout.world_size > 1 else None, batch=self.batch_size,
                             seq=self.seq_len if family == "text" else None)
         except ValueError as err:
             raise layout_error(err, self) from None
+        if self.mixed_precision == "fp16" and layout.world_size > 1:
+            raise ConfigError("mixed_precision", "fp16 trains on one device only: its loss "
+                              "scaler skips a step whose gradient overflowed, and every "
+                              "rank would have to agree on it (a collective plan() does not "
+                              "price); use bf16 under a layout")
+        if layout.world_size == 1 and self.micro_batches > 1 and self.dropout > 0:
+            raise ConfigError("micro_batches", f"({self.micro_batches}) on one device needs "
+                              "--dropout 0: the one-device decoder draws each micro-batch's "
+                              "dropout masks, not the whole batch's")
         if self.pp is not None and self.n_layers % (self.pp * self.virtual):
             times = ("" if self.virtual == 1 else
                      f" (times --virtual {self.virtual} = {self.pp * self.virtual})")
@@ -251,6 +329,33 @@ class TrainConfig:
                               f"of pp ({self.pp}) for the interleaved schedule: micro-batches "
                               "go through the chunks in groups of pp")
         return self
+
+    def decoder_config(self, vocab_size: int, max_seq_len: int) -> DecoderConfig:
+        """The DecoderConfig of this run's model (a decoder task), its vocabulary and
+        context given by the data."""
+        return DecoderConfig(vocab_size=vocab_size, max_seq_len=max_seq_len,
+                             **{d: getattr(self, n) for n, d in MODEL_FIELDS.items()})
+
+    def _checked_model(self, family: str) -> DecoderConfig | None:
+        """The decoder's own checks of the model fields (DecoderConfig.validate), as a
+        ConfigError naming the first field its message names; the DecoderConfig (its
+        vocabulary a placeholder: the data decides it), or None for the autoencoder."""
+        if family == "autoencoder":
+            return None
+        context = self.seq_len if family == "text" else 2 * self.n_digits
+        try:
+            return self.decoder_config(2, context).validate()
+        except (TypeError, ValueError) as err:
+            text = str(err)
+            named = [RENAMED.get(w, w) for w in re.findall(r"[a-z_]+", text)
+                     if RENAMED.get(w, w) in MODEL_FIELDS]
+            # the first field it names that was set (n_kv_heads, not n_heads at its default)
+            defaults = {**SHARED_MODEL, **DECODER_DEFAULTS}
+            field = next((n for n in named if getattr(self, n) != defaults[n]),
+                         named[0] if named else "d_model")
+            detail = text[len(MODEL_FIELDS[field]):].lstrip() if text.startswith(
+                MODEL_FIELDS[field]) else text
+            raise ConfigError(field, detail) from None
 
     def layout(self):
         """The run's tfcore.parallel.Layout (its fields' own checks, ConfigError naming it)."""
@@ -293,8 +398,8 @@ def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
         field = ("batch_size" if "global batch" in text else
                  "seq_len" if "seq" in text else parallel_field(config))
         return ConfigError(field, text)
-    field = next((f for f in rule.fields if f in LAYOUT_FIELDS + ("clip", "dropout")),
-                 "dp")
+    field = next((f for f in rule.fields if f in LAYOUT_FIELDS + ("clip",)
+                  + tuple(MODEL_FIELDS)), "dp")
     field = "grad_clip" if field == "clip" else field
     return ConfigError(field, f"{getattr(config, field)!r}: {err}")
 
@@ -408,30 +513,31 @@ class Trainer:
             vocab, max_len = data.DigitTask.vocab_size, self.batches.seq_len
         self._val_state = None if self.val_batches is None else self.val_batches.state
         if family == "autoencoder":
+            # Not the decoder's step (runner.train_step): its inputs are float sequences
+            # [B, T, D] with no token counts to weight micro-batches by, no layout splits
+            # it, and its backward takes no loss weight; it shares the optimizer (the same
+            # AdamW with the same clip) and writes its forward and backward out here.
             from .models.autoencoder import Autoencoder, AutoencoderConfig
+            from .parallel.optimizer import adamw
 
             self.model_config = AutoencoderConfig(
                 d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff or 4 * cfg.d_model,
                 n_layers=cfg.n_layers, max_seq_len=cfg.seq_len, dropout=cfg.dropout,
                 dtype=cfg.dtype)
             self.model = Autoencoder(self.model_config).init(cfg.seed)
-        else:
-            self.model_config = DecoderConfig(
-                vocab_size=vocab, max_seq_len=max_len, d_model=cfg.d_model,
-                n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, norm=cfg.norm,
-                position=cfg.position, mlp=cfg.mlp, dropout=cfg.dropout, dtype=cfg.dtype)
-            if world is not None or self.layout.world_size > 1:
-                self._build_parallel(world)
-                return
-            self.model = DecoderLM(self.model_config).init(cfg.seed)
-        self.params = self.model.params
-        betas = (cfg.beta1, cfg.beta2)
-        # Without weight decay AdamW is Adam (seed 002's form), and is saved as such.
-        self.optimizer = (optim.AdamW(self.params, lr=cfg.lr, betas=betas, eps=cfg.eps,
-                                      weight_decay=cfg.weight_decay)
-                          if cfg.weight_decay else
-                          optim.Adam(self.params, lr=cfg.lr, betas=betas, eps=cfg.eps))
-        self._start()
+            self.params = self.model.params
+            # Without weight decay AdamW is Adam (seed 002's form), and is saved as such.
+            self.optimizer = adamw(self.params, optim.ShardView(), self._hyper(),
+                                   clip=self.layout.clip)
+            self._start()
+            return
+        self.model_config = cfg.decoder_config(vocab, max_len)
+        self._build_run(world)
+
+    def _hyper(self) -> dict:
+        c = self.config
+        return dict(lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                    weight_decay=c.weight_decay)
 
     def _start(self):
         self.step = 0
@@ -442,25 +548,41 @@ class Trainer:
         if self.config.out_dir is not None and self.rank0:
             prepare_out_dir(self.config.out_dir)
 
-    def _build_parallel(self, world):
-        """The one decoder on this rank of the layout (tfcore.parallel.runner.build), its
-        AdamW, and its share of DecoderLM(model_config).init(seed)."""
+    def _build_run(self, world):
+        """The one decoder and its AdamW as a runner.Run (tfcore.parallel.runner.build):
+        on this rank of the layout with its share of DecoderLM(model_config).init(seed),
+        or (world None) on one device, DecoderLM(model_config).init(seed) itself."""
+        from .parallel.layout import Layout
         from .parallel.runner import build
 
         cfg, layout = self.config, self.layout
+        precision = PRECISIONS.get(cfg.mixed_precision)
         if world is None:
-            raise ConfigError(parallel_field(cfg), f"asks for {layout.world_size} ranks: run "
-                              f"under mpiexec -n {layout.world_size}, or with --simulate "
-                              f"{layout.world_size}")
+            if layout.world_size > 1:
+                raise ConfigError(parallel_field(cfg), f"asks for {layout.world_size} ranks: "
+                                  f"run under mpiexec -n {layout.world_size}, or with "
+                                  f"--simulate {layout.world_size}")
+            # one rank: what the layout asks of it is accumulation and clipping
+            self.run_state = build(None, self.model_config,
+                                   Layout(micro_batches=layout.micro_batches,
+                                          clip=layout.clip), self._hyper(),
+                                   precision=precision)
+            self.model = self.run_state.model.init(cfg.seed)
+            self.params = self.model.params
+            self.optimizer = self.run_state.optimizer
+            self._start()
+            return
         try:
             layout.validate(self.model_config, world=world.size, batch=cfg.batch_size,
                             seq=cfg.seq_len)
         except ValueError as err:
             raise layout_error(err, cfg) from None
-        hyper = dict(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay)
+        if precision == "float16":
+            raise ConfigError("mixed_precision", "fp16 trains on one device only (its loss "
+                              "scaler's skip needs every rank to agree); use bf16")
         try:
-            self.run_state = build(world, self.model_config, layout, hyper)
+            self.run_state = build(world, self.model_config, layout, self._hyper(),
+                                   precision=precision)
         except ValueError as err:
             raise ConfigError("tp", str(err)) from None
         self.model = self.run_state.model
@@ -475,72 +597,100 @@ class Trainer:
         return optim.warmup_cosine(step, c.lr, c.warmup_steps, c.steps, c.min_lr)
 
     def train_step(self) -> float:
-        """One update; returns the batch's loss (before the update). In order: the batch,
-        zeroed gradients, forward, backward, the global norm (clipped if grad_clip), the
-        scheduled learning rate, the optimizer step (which refuses a nan or inf gradient)."""
-        cfg = self.config
-        if self.run_state is not None:
-            return self._parallel_step()
-        x, y = self.batches.next()                                        # [B, S] each
-        self.params.zero_grad()
-        rng = backend.default_rng(_step_seed(cfg.seed, self.step, 1)) if cfg.dropout else None
-        # [1]: the logits [B, S, V] are not held through the backward (it needs only the
-        # probabilities the loss keeps)
-        loss = self.model.forward(x, y, training=True, rng=rng)[1]
-        self.model.backward()
-        if cfg.grad_clip:
-            self.last_grad_norm = optim.clip_grad_norm(self.params.grad, cfg.grad_clip)
-        else:
-            self.last_grad_norm = optim.grad_norm(self.params.grad)
-        self.optimizer.lr = self.lr_at(self.step)
-        self.optimizer.step()
-        self.step += 1
-        return float(loss)
-
-    def _parallel_step(self) -> float:
-        """train_step on a rank of the layout: the same batch on every rank, this rank's rows
-        of it (tfcore.parallel.runner.train_step), dropout's masks one device's."""
+        """One update; returns the batch's loss (before the update): the batch, the
+        scheduled learning rate, and tfcore.parallel.runner.train_step, on one device as
+        on every rank of a layout (zeroed gradients, each micro-batch's forward and
+        backward, the gradient summed over the data ranks, the optimizer's clip and step,
+        which refuses a nan or inf gradient; with --mixed-precision under autocast, fp16's
+        loss scaler skipping an overflowed step). Every rank takes the same batch and its
+        rows of it; dropout's masks are one device's."""
         from .parallel.runner import train_step
 
         cfg = self.config
-        x, y = (np.asarray(backend.to_numpy(a)) for a in self.batches.next())   # [B, S]
+        if self.run_state is None:
+            return self._autoencoder_step()
+        # [B, S] each, on the host: the step moves each rank's micro-batches to the device
+        x, y = (np.asarray(backend.to_numpy(a)) for a in self.batches.next())
         seed = _step_seed(cfg.seed, self.step, 1)
         dropout = (lambda: dict(training=True, rng=backend.default_rng(seed))) \
             if cfg.dropout else None
         self.optimizer.lr = self.lr_at(self.step)
+        scaler = self.run_state.scaler
+        skipped = None if scaler is None else scaler.skipped
         loss, _ = train_step(self.run_state, x, y, cfg.batch_size, dropout)
-        self.last_grad_norm = self.optimizer.last_norm      # None without clipping
+        if scaler is not None and scaler.skipped != skipped:
+            self.last_grad_norm = None              # fp16 overflowed: the step was skipped
+        else:
+            self.last_grad_norm = self._grad_norm()
         self.step += 1
         return loss
+
+    def _grad_norm(self):
+        """The gradient's global norm before clipping, as the log shows it: the optimizer's
+        with clipping; without, on one device, the norm of the gradient the step left in
+        params.grad (the optimizer leaves it as it is when it does not clip); None on the
+        ranks of a layout without clipping (its norm would cost a collective)."""
+        if self.optimizer.clip is not None:
+            return self.optimizer.last_norm
+        return None if self.world is not None else optim.grad_norm(self.params.grad)
+
+    def _autoencoder_step(self) -> float:
+        """The autoencoder's update (see __init__ for why it is not the decoder's step):
+        zeroed gradients, forward, backward, the scheduled rate, the optimizer's clip and
+        step."""
+        cfg = self.config
+        x, y = self.batches.next()                                        # [B, T, D] each
+        self.params.zero_grad()
+        rng = backend.default_rng(_step_seed(cfg.seed, self.step, 1)) if cfg.dropout else None
+        loss = self.model.forward(x, y, training=True, rng=rng)[1]
+        self.model.backward()
+        self.optimizer.lr = self.lr_at(self.step)
+        self.optimizer.step()
+        self.last_grad_norm = self._grad_norm()
+        self.step += 1
+        return float(loss)
 
     def plan(self):
         """tfcore.parallel.plan of this run's model and layout on its batch [B, S] (its
         memory per rank, bytes per step per rank), or None for a task that is not the
-        decoder's."""
+        decoder's, or a model plan() does not price on one device (the layouts refuse
+        a mixture of experts: the one device trains it, unpriced)."""
         from .parallel import plan
+        from .parallel.layout import LayoutError
 
         if not isinstance(self.model_config, DecoderConfig):
             return None
-        return plan(self.model_config, self.layout, batch=self.config.batch_size,
-                    seq=self.config.seq_len, dtype=self.config.dtype)
+        try:
+            return plan(self.model_config, self.layout, batch=self.config.batch_size,
+                        seq=self.model_config.max_seq_len, dtype=self.config.dtype)
+        except LayoutError:
+            if self.world is not None:
+                raise
+            return None
 
     def held(self) -> dict:
         """Bytes of the parameters, gradients and AdamW state this rank holds (plan's
         memory): runner.held_bytes on a rank of a layout, the flat buffers on one device."""
-        if self.run_state is not None:
-            from .parallel.runner import held_bytes
+        from .parallel.runner import Run, held_bytes
 
-            return held_bytes(self.run_state)
-        b = np.dtype(self.params.dtype).itemsize
-        return dict(params=self.params.data.size * b, grads=self.params.grad.size * b,
-                    optimizer=(self.optimizer.m.size + self.optimizer.v.size) * b)
+        run = self.run_state or Run(None, self.model, self.optimizer, None, self.layout)
+        return held_bytes(run)
 
     def evaluate(self) -> dict:
         """Mean loss over eval_batches fixed validation batches (digit tasks: 500 held-out
-        sequences, with their exact-match accuracy)."""
+        sequences, with their exact-match accuracy); under the step's autocast with
+        --mixed-precision (the model it trains is the low-precision one)."""
+        from .parallel.runner import precision_scope
+
+        fp16 = self.config.mixed_precision == "fp16"      # an inf loss is reported as such
+        with precision_scope(PRECISIONS.get(self.config.mixed_precision)), (
+                backend.expected_overflow() if fp16 else contextlib.nullcontext()):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         cfg = self.config
         if self.val_batches is not None and self.layout.pp is not None \
-                and self.run_state is not None:
+                and self.world is not None:
             # the pipeline's forward-only schedule: each stage runs its blocks on every
             # micro-batch, the last one's losses are summed (no rank gathers the model)
             from .parallel.pipeline import pipeline_loss
@@ -551,7 +701,7 @@ class Trainer:
                                       for a in self.val_batches.next()), cfg.batch_size)
                       for _ in range(cfg.eval_batches)]
             return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
-        if self.val_batches is not None and self.run_state is not None:
+        if self.val_batches is not None and self.world is not None:
             self.val_batches.state = self._val_state
             mesh, B = self.run_state.mesh, cfg.batch_size
             rows = B // mesh.dp_size
@@ -669,7 +819,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
     def _one_device_layout(self) -> list:
         """[(name, shape)] of one device's flat buffer: what every checkpoint holds."""
-        if self.run_state is None:
+        if self.world is None:
             return self.params.layout()
         return list(self.model_config.param_shapes().items())
 
@@ -686,7 +836,16 @@ class Trainer:
             "tokenizer": None if self.tokenizer is None else self.tokenizer.chars,
             "text_sha256": self.text_sha256,
             "history": self.history,
+            "loss_scaler": self._scaler_state(),
         }
+
+    def _scaler_state(self) -> dict | None:
+        """fp16's LossScaler as JSON numbers (its scale, clean steps, steps and skips),
+        None without one."""
+        scaler = None if self.run_state is None else self.run_state.scaler
+        if scaler is None:
+            return None
+        return {k: getattr(scaler, k) for k in SCALER_STATE}
 
     def save(self, path) -> Path:
         """Write the checkpoint atomically (temporary file, fsync, os.replace); returns path.
@@ -695,7 +854,7 @@ class Trainer:
         inf: a checkpoint that load() would refuse must not replace a good one.
         """
         path = Path(path)
-        if self.run_state is not None:  # every rank: one device's state, rank 0 writes it
+        if self.world is not None:  # every rank: one device's state, rank 0 writes it
             from .parallel.checkpoint import gather_state
 
             state = gather_state(self.run_state)
@@ -754,7 +913,7 @@ class Trainer:
             opt_state["betas"] = tuple(opt_state["betas"])
         # checked by the optimizer's own rules, against one device's buffers
         checker = self.optimizer
-        if self.run_state is not None:
+        if self.world is not None:
             from . import nn
 
             checker = type(self.optimizer)(
@@ -766,9 +925,12 @@ class Trainer:
             checker.check_state_dict(opt_state)
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: {err}") from None
-        if opt_state["t"] + opt_state.get("skipped", 0) != step:
+        scaler_state = _checked_scaler(meta.get("loss_scaler"), self._scaler_state(), path)
+        skipped = 0 if scaler_state is None else scaler_state["skipped"]
+        if opt_state["t"] + opt_state.get("skipped", 0) + skipped != step:
             raise CheckpointError(f"{path}: the optimizer has made {opt_state['t']} updates "
-                                  f"but the checkpoint is at step {step}")
+                                  + (f"and fp16 skipped {skipped} " if skipped else "")
+                                  + f"but the checkpoint is at step {step}")
         try:
             self.batches.check_state(meta.get("sampler_state"))
         except (TypeError, ValueError, KeyError) as err:
@@ -781,7 +943,7 @@ class Trainer:
             raise ConfigMismatch(f"{path}: the text file {self.config.text} has changed since "
                                  "this checkpoint was written")
         # Everything is checked: from here on nothing can fail halfway.
-        if self.run_state is not None:
+        if self.world is not None:
             from .parallel.checkpoint import load_state
 
             load_state(self.run_state, dict(params=arrays["params"], m=arrays["optimizer.m"],
@@ -792,6 +954,9 @@ class Trainer:
             self.params.load_flat(arrays["params"])
             self.optimizer.load_state_dict(opt_state)
         self.batches.state = meta["sampler_state"]
+        if scaler_state is not None:
+            for key, value in scaler_state.items():
+                setattr(self.run_state.scaler, key, value)
         self.step = step
         self.history = history
         return self
@@ -814,6 +979,32 @@ class Trainer:
 
 
 CHECKPOINT_NAME, LOG_NAME = "checkpoint.npz", "log.jsonl"
+SCALER_STATE = ("scale", "growth_tracker", "steps", "skipped")
+
+
+def _checked_scaler(state, ours, path) -> dict | None:
+    """A checkpoint's loss-scaler state, checked against this run's (both None without
+    fp16; a positive finite scale, counts that are integers >= 0)."""
+    if (state is None) != (ours is None):
+        raise CheckpointError(f"{path}: {'no' if state is None else 'a'} loss scaler state, "
+                              f"but this run {'has' if ours is not None else 'has no'} "
+                              "loss scaler (fp16)")
+    if state is None:
+        return None
+    if not isinstance(state, dict) or set(state) != set(SCALER_STATE):
+        raise CheckpointError(f"{path}: the loss scaler state must hold "
+                              f"{', '.join(SCALER_STATE)}")
+    scale = state["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+            0 < scale < math.inf):
+        raise CheckpointError(f"{path}: the loss scale must be a positive finite number, "
+                              f"got {scale!r}")
+    for key in SCALER_STATE[1:]:
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{path}: the loss scaler's {key} must be an integer >= 0, "
+                                  f"got {value!r}")
+    return dict(state, scale=float(scale))
 
 
 def _log_step(line: str):
@@ -992,14 +1183,19 @@ def read_checkpoint(path) -> tuple[dict, dict]:
 
 
 def _upgraded_config(config: dict) -> dict:
-    """A checkpoint config with the settings its task does not read set to None (older
-    checkpoints recorded their defaults there)."""
+    """A checkpoint config in this version's fields: the settings its task does not read
+    set to None (older checkpoints recorded their defaults there); the model fields older
+    checkpoints did not record (their models had DecoderConfig's defaults there) with
+    those defaults; no mixed precision where none was recorded."""
     config = dict(config)
     family = task_family(config.get("task")) if isinstance(config.get("task"), str) else None
     for name in OPTIONAL_SETTINGS:
         if family in TASK_SETTINGS and name not in TASK_SETTINGS[family]:
             config[name] = None
+        elif family in TASK_SETTINGS and name in DECODER_SETTINGS:
+            config.setdefault(name, OPTIONAL_SETTINGS[name])
     config.setdefault("text", None)
+    config.setdefault("mixed_precision", None)
     return config
 
 
@@ -1053,10 +1249,27 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-CHOICES = {"task": TASKS, "dtype": FLOAT_DTYPES, "norm": ("layernorm", "rmsnorm"),
-           "mlp": ("gelu", "relu", "swiglu"), "position": ("learned", "sinusoidal", "rotary")}
+def _choices() -> dict:
+    """{field: its allowed values}: the trainer's own and the decoder's (its validate's)."""
+    from .functional.activations import GELU_APPROXIMATIONS
+    from .models.blocks import ATTENTIONS, MLPS, PLACEMENTS
+    from .models.decoder import POSITIONS, RECOMPUTE, ROUTERS
+    from .models.moe import BALANCES
+    from .parallel.layout import SCHEDULES
+
+    return {"task": TASKS, "dtype": FLOAT_DTYPES, "norm": ("layernorm", "rmsnorm"),
+            "mlp": MLPS, "position": POSITIONS, "norm_placement": PLACEMENTS,
+            "gelu_approximate": GELU_APPROXIMATIONS, "attention": ATTENTIONS,
+            "recompute": RECOMPUTE, "router": ROUTERS, "aux_loss": BALANCES,
+            "schedule": SCHEDULES, "mixed_precision": tuple(PRECISIONS)}
+
+
 # what a flag does, where its name and default do not say it
-HELP = {"pp": "pipeline stages: consecutive blocks on each rank (default: no pipeline)",
+HELP = {"mixed_precision": "the products in bfloat16 or float16 (float32 accumulation, "
+                           "master weights and AdamW state; fp16 with loss scaling, one "
+                           "device); needs --dtype float32",
+        "norm_eps": "the norms' eps (DecoderConfig.eps; default 1e-05)",
+        "pp": "pipeline stages: consecutive blocks on each rank (default: no pipeline)",
         "virtual": "model chunks per pipeline rank, for the interleaved schedule (default 1)",
         "schedule": "the pipeline's schedule (default 1f1b; interleaved with --virtual > 1)",
         "micro_batches": "micro-batches per step: the pipeline's, or gradient accumulation "
@@ -1073,6 +1286,10 @@ def _parser() -> argparse.ArgumentParser:
                     "python -m tfcore.plot draws the log.")
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="start from a named configuration (other flags override it)")
+    parser.add_argument("--model-preset", choices=sorted(MODEL_PRESETS),
+                        help="the decoder's settings of a named family (llama: "
+                             + ", ".join(f"{k} {v}" for k, v in MODEL_PRESETS["llama"].items())
+                             + "); other flags override them")
     parser.add_argument("--resume", metavar="CHECKPOINT",
                         help="continue from a checkpoint, with its own configuration")
     parser.add_argument("--backend", choices=backend.BACKENDS,
@@ -1081,26 +1298,26 @@ def _parser() -> argparse.ArgumentParser:
                         help="run a parallel layout's N ranks as threads of this process "
                              "(without it, a layout of more than one rank runs under "
                              "mpiexec -n N, one rank per process)")
-    from .parallel.layout import SCHEDULES
-
-    for f in fields(TrainConfig):
-        if f.type in (bool, "bool", "bool | None"):
+    choices = _choices()
+    for f in fields(TrainConfig):       # every field a flag, the model's among them
+        kind = str(f.type).split(" |")[0]
+        default = (f"{OPTIONAL_SETTINGS[f.name]!r} for the tasks that read it"
+                   if f.name in OPTIONAL_SETTINGS else
+                   "runs/<preset or task>-<time>" if f.name == "out_dir" else
+                   "a UTF-8 file: sets --task text" if f.name == "text" else
+                   repr(f.default))
+        text = HELP.get(f.name, f"(default {default})")
+        if kind == "bool":
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction,
-                                default=None)
-        elif f.name in CHOICES or f.name == "schedule":
-            parser.add_argument(flag(f.name), choices=CHOICES.get(f.name, SCHEDULES),
-                                default=None, help=HELP.get(f.name))
+                                default=None, help=text)
+        elif f.name in choices:
+            parser.add_argument(flag(f.name), choices=choices[f.name], default=None,
+                                help=text)
         else:
-            kind = {"int": int, "float": float, "str": str, "int | None": int,
-                    "str | None": str}[str(f.type)]
             metavar = "FILE" if f.name == "text" else f.name.upper()
-            default = (f"{OPTIONAL_SETTINGS[f.name]!r} for the tasks that read it"
-                       if f.name in OPTIONAL_SETTINGS else
-                       "runs/<preset or task>-<time>" if f.name == "out_dir" else
-                       "a UTF-8 file: sets --task text" if f.name == "text" else
-                       repr(f.default))
-            parser.add_argument(flag(f.name), type=kind, default=None, metavar=metavar,
-                                help=HELP.get(f.name, f"(default {default})"))
+            parser.add_argument(flag(f.name), type={"int": int, "float": float,
+                                                    "str": str}[kind],
+                                default=None, metavar=metavar, help=text)
     return parser
 
 
@@ -1138,9 +1355,10 @@ def _main(argv) -> int:
     if args.simulate is not None and args.simulate < 1:
         raise ConfigError("simulate", f"must be a number of ranks >= 1, got {args.simulate}")
     if args.resume:
-        if args.preset:
-            raise ConfigError("preset", "cannot be combined with --resume (a resumed run "
-                              "keeps its checkpoint's configuration)")
+        for name in ("preset", "model_preset"):
+            if getattr(args, name):
+                raise ConfigError(name, "cannot be combined with --resume (a resumed run "
+                                  "keeps its checkpoint's configuration)")
         meta, _ = read_checkpoint(args.resume)
         free = {k: v for k, v in given.items() if k in FREE_FIELDS or k == "steps"}
         if "out_dir" not in free and not meta["config"].get("out_dir"):
@@ -1148,7 +1366,8 @@ def _main(argv) -> int:
         config = TrainConfig(**dict(_upgraded_config(meta["config"]), **free))
         check_config(meta, dataclasses.replace(config, **given), args.resume)
     else:
-        values = dict(PRESETS.get(args.preset, {}), **given)
+        values = {**PRESETS.get(args.preset, {}), **MODEL_PRESETS.get(args.model_preset, {}),
+                  **given}
         if "text" in given:
             if "task" in given and given["task"] != "text":
                 raise ConfigError("task", f"{given['task']!r} does not read --text (leave "
