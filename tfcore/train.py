@@ -1269,6 +1269,8 @@ HELP = {"mixed_precision": "the products in bfloat16 or float16 (float32 accumul
                            "master weights and AdamW state; fp16 with loss scaling, one "
                            "device); needs --dtype float32",
         "norm_eps": "the norms' eps (DecoderConfig.eps; default 1e-05)",
+        "d_ff": "the MLP's hidden width (default: 4 d_model; with --mlp swiglu Llama's "
+                "2/3 of it, rounded up to a multiple of 256)",
         "pp": "pipeline stages: consecutive blocks on each rank (default: no pipeline)",
         "virtual": "model chunks per pipeline rank, for the interleaved schedule (default 1)",
         "schedule": "the pipeline's schedule (default 1f1b; interleaved with --virtual > 1)",
