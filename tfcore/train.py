@@ -17,8 +17,12 @@ step against the loop below written out by hand, bit for bit)::
 
 With --mixed-precision the forward and backward run under mixed_precision.autocast (fp16:
 the loss scaled, the gradient unscaled, an overflowed step skipped and counted). The
-autoencoder's step is written out beside it (its inputs are not tokens; see __init__).
-Every DecoderConfig field is a TrainConfig field and a flag (MODEL_FIELDS).
+autoencoder's step is its own (tfcore.tasks.AutoencoderTask.step: its inputs are not
+tokens). Every DecoderConfig field is a TrainConfig field and a flag (MODEL_FIELDS).
+
+What differs between the tasks (their data, model, step and evaluation, the settings
+they read) is asked of the task's object, tfcore.tasks.REGISTRY[config.task]; this module
+never switches on a task's name.
 
 Before the first step the constructor checks every setting (ConfigError names it), reads
 the data, builds every batcher and proves the output folder writable, so a run that starts
@@ -44,7 +48,6 @@ import argparse
 import contextlib
 import dataclasses
 import glob
-import hashlib
 import json
 import math
 import os
@@ -58,20 +61,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend, data, kernels, optim
+from . import backend, kernels, optim
 from .backend import FLOAT_DTYPES
 from .models.decoder import DecoderConfig, DecoderLM
+from .tasks import FAMILIES, FILE_TASK, REGISTRY, ConfigError, task_family, task_of
+from .tasks import step_seed as _step_seed
 
 FORMAT, VERSION = "tfcore-checkpoint", 1
-TASKS = ("shakespeare", "text", "reverse", "sort", "autoencoder")
-
-
-class ConfigError(ValueError):
-    """A training setting that cannot work; `field` names it (the CLI prints its flag)."""
-
-    def __init__(self, field: str, detail: str):
-        super().__init__(f"{field} {detail}")
-        self.field, self.detail = field, detail
+TASKS = tuple(REGISTRY)      # every task name (tfcore.tasks: their families)
 
 
 # The model's settings: every DecoderConfig field but the two the data decides (the
@@ -90,13 +87,11 @@ DECODER_SETTINGS = tuple(n for n in MODEL_FIELDS if n not in SHARED_MODEL)
 DECODER_DEFAULTS = {n: f.default for f in fields(DecoderConfig)
                     for n in (RENAMED.get(f.name, f.name),) if n in DECODER_SETTINGS}
 
-# The settings each task reads. One that a task ignores stays None: given, it is refused
-# rather than written into a checkpoint that would then describe a model it is not.
-TASK_SETTINGS = {
-    "text": ("seq_len", *DECODER_SETTINGS),
-    "digits": ("n_digits", *DECODER_SETTINGS),
-    "autoencoder": ("seq_len", "standardize"),
-}
+# The settings each task family reads (its own, and the decoder's for a decoder task).
+# One that a task ignores stays None: given, it is refused rather than written into a
+# checkpoint that would then describe a model it is not.
+TASK_SETTINGS = {family: (*task.settings, *(DECODER_SETTINGS if task.decoder else ()))
+                 for family, task in FAMILIES.items()}
 OPTIONAL_SETTINGS = {"n_digits": 6, "seq_len": 64, "standardize": True, **DECODER_DEFAULTS}
 PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}     # --mixed-precision's formats
 
@@ -108,12 +103,6 @@ def _model_presets() -> dict:
     plain, llama = DecoderConfig(**sizes), DecoderConfig.llama(**sizes)
     return {"llama": {n: getattr(llama, d) for n, d in MODEL_FIELDS.items()
                       if n != "d_ff" and getattr(llama, d) != getattr(plain, d)}}
-
-
-def task_family(task: str) -> str:
-    """'text' (shakespeare, text), 'digits' (reverse, sort) or 'autoencoder'."""
-    return {"shakespeare": "text", "text": "text", "reverse": "digits",
-            "sort": "digits"}.get(task, task)
 
 
 def _with_model_fields(cls):
@@ -207,19 +196,14 @@ class TrainConfig:
 
         if self.task not in TASKS:
             raise ConfigError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
-        family = task_family(self.task)
+        task = task_of(self.task)
         for name in OPTIONAL_SETTINGS:
-            if name not in TASK_SETTINGS[family] and getattr(self, name) is not None:
-                own = [n for n in TASK_SETTINGS[family] if n not in MODEL_FIELDS]
-                reads = ", ".join(own) + (" and the decoder's fields"
-                                          if family != "autoencoder" else "")
+            if name not in TASK_SETTINGS[task.family] and getattr(self, name) is not None:
+                reads = ", ".join(task.settings) + (" and the decoder's fields"
+                                                    if task.decoder else "")
                 raise ConfigError(name, f"is not read by task {self.task!r} (it sets "
                                   f"{reads}): leave it out")
-        if self.task == "text":
-            if not isinstance(self.text, str) or not self.text:
-                raise ConfigError("text", "must name a UTF-8 file for task 'text'")
-        elif self.text is not None:
-            raise ConfigError("text", f"is only read by task 'text', not {self.task!r}")
+        task.check_source(self)
         ints = {"d_model": 1, "n_layers": 1, "n_heads": 1, "steps": 1, "batch_size": 1,
                 "eval_interval": 1, "eval_batches": 1, "warmup_steps": 0,
                 "checkpoint_interval": 0, "seed": 0, "seq_len": 1, "d_ff": 1}
@@ -233,12 +217,7 @@ class TrainConfig:
                 raise ConfigError(name, f"must be an integer >= {low}, got {value}")
         if self.seed >= 2**63:
             raise ConfigError("seed", f"must be below 2**63, got {self.seed}")
-        if (family == "autoencoder" and isinstance(self.standardize, (bool, np.bool_))
-                and self.standardize and self.d_model < 2):
-            raise ConfigError("d_model", f"must be at least 2 for task 'autoencoder' with "
-                              f"standardize: a data row of {self.d_model} feature is constant "
-                              "and standardizes to 0 / 0 (widen it, or give "
-                              f"--no-standardize), got {self.d_model}")
+        task.check(self)
         if self.n_digits is not None and (isinstance(self.n_digits, bool) or not isinstance(
                 self.n_digits, (int, np.integer)) or not 2 <= self.n_digits <= 18):
             raise ConfigError("n_digits", f"must be an integer in [2, 18], got {self.n_digits!r}")
@@ -283,29 +262,30 @@ class TrainConfig:
                 raise ConfigError(name, f"must be True or False, got {value!r}")
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
             raise ConfigError("out_dir", f"must be a path, got {self.out_dir!r}")
-        model = self._checked_model(family)
+        model = self._checked_model(task)
         if self.mixed_precision is not None:
             if self.mixed_precision not in PRECISIONS:
                 raise ConfigError("mixed_precision", f"must be one of "
                                   f"{', '.join(PRECISIONS)}, got {self.mixed_precision!r}")
-            if family == "autoencoder":
-                raise ConfigError("mixed_precision", "is for the decoder tasks: task "
-                                  "'autoencoder' trains in its dtype")
+            if not task.decoder:
+                raise ConfigError("mixed_precision", f"is for the decoder tasks: task "
+                                  f"{self.task!r} trains in its dtype")
             if self.dtype != "float32":
                 raise ConfigError("mixed_precision", f"keeps float32 master weights and "
                                   f"AdamW state: give --dtype float32, not {self.dtype}")
         layout = self.layout()
         defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in LAYOUT_FIELDS}
         given = [f for f in LAYOUT_FIELDS if getattr(self, f) != defaults[f]
-                 and not (f == "micro_batches" and family == "digits")]
-        if given and family != "text":
+                 and f not in task.one_device_layout]
+        if given and not task.parallel:
             raise ConfigError(given[0], f"is for the text tasks: task {self.task!r} trains on "
                               "one device (leave the layout options out"
-                              + (" but --micro-batches" if family == "digits" else "") + ")")
+                              + "".join(f" but {flag(f)}" for f in task.one_device_layout)
+                              + ")")
         try:       # the refusals and sizes that need the model's settings only (one
                    # device runs every model: the refusals are the ranks')
             layout.validate(model if layout.world_size > 1 else None, batch=self.batch_size,
-                            seq=self.seq_len if family == "text" else None)
+                            seq=task.layout_sequence(self))
         except ValueError as err:
             raise layout_error(err, self) from None
         if self.mixed_precision == "fp16" and layout.world_size > 1:
@@ -336,15 +316,15 @@ class TrainConfig:
         return DecoderConfig(vocab_size=vocab_size, max_seq_len=max_seq_len,
                              **{d: getattr(self, n) for n, d in MODEL_FIELDS.items()})
 
-    def _checked_model(self, family: str) -> DecoderConfig | None:
+    def _checked_model(self, task) -> DecoderConfig | None:
         """The decoder's own checks of the model fields (DecoderConfig.validate), as a
         ConfigError naming the first field its message names; the DecoderConfig (its
-        vocabulary a placeholder: the data decides it), or None for the autoencoder."""
-        if family == "autoencoder":
+        vocabulary a placeholder: the data decides it, its context the task's sample),
+        or None for a task whose model is not the decoder (the autoencoder)."""
+        if not task.decoder:
             return None
-        context = self.seq_len if family == "text" else 2 * self.n_digits
         try:
-            return self.decoder_config(2, context).validate()
+            return self.decoder_config(2, task.sequence(self)).validate()
         except (TypeError, ValueError) as err:
             text = str(err)
             named = [RENAMED.get(w, w) for w in re.findall(r"[a-z_]+", text)
@@ -471,68 +451,18 @@ class Trainer:
         None on one device."""
         self.config = cfg = config.validate()
         self.layout = cfg.layout()
-        if world is not None and task_family(cfg.task) != "text":
+        self.task = task_of(cfg.task)
+        if world is not None and not self.task.parallel:
             raise ConfigError("simulate", f"is for the text tasks: task {cfg.task!r} trains "
                               "on one device")
         self.world, self.run_state = world, None
         self.rank0 = world is None or world.rank == 0
-        self.text_sha256 = None
-        family = task_family(cfg.task)
-        if family == "text":
-            if cfg.task == "text":
-                try:
-                    text = data.read_text_file(cfg.text)
-                except ValueError as err:
-                    raise ConfigError("text", str(err)) from None
-                self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-            else:
-                text = data.load_corpus("shakespeare")
-            self.tokenizer = data.CharTokenizer.from_text(text)
-            train_ids, self.val_ids = data.train_val_split(self.tokenizer.encode(text),
-                                                           cfg.val_fraction)
-            shortest = min(len(train_ids), len(self.val_ids))
-            if shortest < cfg.seq_len + 2:
-                part = "training" if len(train_ids) < len(self.val_ids) else "validation"
-                raise ConfigError("seq_len", f"({cfg.seq_len}) is too long for this text: its "
-                                  f"{part} part holds {shortest} characters, and a window "
-                                  f"needs seq_len + 2 = {cfg.seq_len + 2}; lower --seq-len, "
-                                  "change --val-fraction, or give a longer text")
-            self.batches = data.TextBatches(train_ids, cfg.batch_size, cfg.seq_len, cfg.seed)
-            self.val_batches = data.TextBatches(self.val_ids, cfg.batch_size, cfg.seq_len,
-                                                seed=_step_seed(cfg.seed, 0, 2))
-            vocab, max_len = self.tokenizer.vocab_size, cfg.seq_len
-        elif family == "autoencoder":
-            self.tokenizer = None
-            self.batches = data.GaussianSequences(cfg.batch_size, cfg.seq_len, cfg.d_model,
-                                                  cfg.standardize, cfg.seed, cfg.dtype)
-            self.val_batches = None
-        else:
-            self.tokenizer = None
-            self.batches = data.DigitTask(cfg.n_digits, cfg.task, cfg.batch_size, cfg.seed)
-            self.val_batches = None
-            vocab, max_len = data.DigitTask.vocab_size, self.batches.seq_len
+        task_data = self.task.data(cfg)          # its batches, tokenizer and vocabulary
+        self.batches, self.val_batches = task_data.batches, task_data.val_batches
+        self.tokenizer, self.text_sha256 = task_data.tokenizer, task_data.text_sha256
         self._val_state = None if self.val_batches is None else self.val_batches.state
-        if family == "autoencoder":
-            # Not the decoder's step (runner.train_step): its inputs are float sequences
-            # [B, T, D] with no token counts to weight micro-batches by, no layout splits
-            # it, and its backward takes no loss weight; it shares the optimizer (the same
-            # AdamW with the same clip) and writes its forward and backward out here.
-            from .models.autoencoder import Autoencoder, AutoencoderConfig
-            from .parallel.optimizer import adamw
-
-            self.model_config = AutoencoderConfig(
-                d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff or 4 * cfg.d_model,
-                n_layers=cfg.n_layers, max_seq_len=cfg.seq_len, dropout=cfg.dropout,
-                dtype=cfg.dtype)
-            self.model = Autoencoder(self.model_config).init(cfg.seed)
-            self.params = self.model.params
-            # Without weight decay AdamW is Adam (seed 002's form), and is saved as such.
-            self.optimizer = adamw(self.params, optim.ShardView(), self._hyper(),
-                                   clip=self.layout.clip)
-            self._start()
-            return
-        self.model_config = cfg.decoder_config(vocab, max_len)
-        self._build_run(world)
+        self.model_config = self.task.model_config(cfg, task_data)
+        self.task.build(self, world)             # model, params, optimizer; then _start
 
     def _hyper(self) -> dict:
         c = self.config
@@ -549,7 +479,8 @@ class Trainer:
             prepare_out_dir(self.config.out_dir)
 
     def _build_run(self, world):
-        """The one decoder and its AdamW as a runner.Run (tfcore.parallel.runner.build):
+        """A decoder task's model (Task.build): the one decoder and its AdamW as a
+        runner.Run (tfcore.parallel.runner.build):
         on this rank of the layout with its share of DecoderLM(model_config).init(seed),
         or (world None) on one device, DecoderLM(model_config).init(seed) itself."""
         from .parallel.layout import Layout
@@ -597,18 +528,21 @@ class Trainer:
         return optim.warmup_cosine(step, c.lr, c.warmup_steps, c.steps, c.min_lr)
 
     def train_step(self) -> float:
-        """One update; returns the batch's loss (before the update): the batch, the
-        scheduled learning rate, and tfcore.parallel.runner.train_step, on one device as
-        on every rank of a layout (zeroed gradients, each micro-batch's forward and
-        backward, the gradient summed over the data ranks, the optimizer's clip and step,
-        which refuses a nan or inf gradient; with --mixed-precision under autocast, fp16's
-        loss scaler skipping an overflowed step). Every rank takes the same batch and its
-        rows of it; dropout's masks are one device's."""
+        """One update of the task (Task.step); returns the batch's loss (before the
+        update). A decoder task's is _decoder_step, the autoencoder's its own."""
+        return self.task.step(self)
+
+    def _decoder_step(self) -> float:
+        """A decoder task's update: the batch, the scheduled learning rate, and
+        tfcore.parallel.runner.train_step, on one device as on every rank of a layout
+        (zeroed gradients, each micro-batch's forward and backward, the gradient summed
+        over the data ranks, the optimizer's clip and step, which refuses a nan or inf
+        gradient; with --mixed-precision under autocast, fp16's loss scaler skipping an
+        overflowed step). Every rank takes the same batch and its rows of it; dropout's
+        masks are one device's."""
         from .parallel.runner import train_step
 
         cfg = self.config
-        if self.run_state is None:
-            return self._autoencoder_step()
         # [B, S] each, on the host: the step moves each rank's micro-batches to the device
         x, y = (np.asarray(backend.to_numpy(a)) for a in self.batches.next())
         seed = _step_seed(cfg.seed, self.step, 1)
@@ -634,22 +568,6 @@ class Trainer:
             return self.optimizer.last_norm
         return None if self.world is not None else optim.grad_norm(self.params.grad)
 
-    def _autoencoder_step(self) -> float:
-        """The autoencoder's update (see __init__ for why it is not the decoder's step):
-        zeroed gradients, forward, backward, the scheduled rate, the optimizer's clip and
-        step."""
-        cfg = self.config
-        x, y = self.batches.next()                                        # [B, T, D] each
-        self.params.zero_grad()
-        rng = backend.default_rng(_step_seed(cfg.seed, self.step, 1)) if cfg.dropout else None
-        loss = self.model.forward(x, y, training=True, rng=rng)[1]
-        self.model.backward()
-        self.optimizer.lr = self.lr_at(self.step)
-        self.optimizer.step()
-        self.last_grad_norm = self._grad_norm()
-        self.step += 1
-        return float(loss)
-
     def plan(self):
         """tfcore.parallel.plan of this run's model and layout on its batch [B, S] (its
         memory per rank, bytes per step per rank), or None for a task that is not the
@@ -658,7 +576,7 @@ class Trainer:
         from .parallel import plan
         from .parallel.layout import LayoutError
 
-        if not isinstance(self.model_config, DecoderConfig):
+        if not self.task.decoder:
             return None
         try:
             return plan(self.model_config, self.layout, batch=self.config.batch_size,
@@ -685,50 +603,7 @@ class Trainer:
         fp16 = self.config.mixed_precision == "fp16"      # an inf loss is reported as such
         with precision_scope(PRECISIONS.get(self.config.mixed_precision)), (
                 backend.expected_overflow() if fp16 else contextlib.nullcontext()):
-            return self._evaluate()
-
-    def _evaluate(self) -> dict:
-        cfg = self.config
-        if self.val_batches is not None and self.layout.pp is not None \
-                and self.world is not None:
-            # the pipeline's forward-only schedule: each stage runs its blocks on every
-            # micro-batch, the last one's losses are summed (no rank gathers the model)
-            from .parallel.pipeline import pipeline_loss
-
-            self.val_batches.state = self._val_state
-            losses = [pipeline_loss(self.run_state,
-                                    *(np.asarray(backend.to_numpy(a))
-                                      for a in self.val_batches.next()), cfg.batch_size)
-                      for _ in range(cfg.eval_batches)]
-            return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
-        if self.val_batches is not None and self.world is not None:
-            self.val_batches.state = self._val_state
-            mesh, B = self.run_state.mesh, cfg.batch_size
-            rows = B // mesh.dp_size
-            b0 = mesh.dp_rank * rows
-            losses = []
-            for _ in range(cfg.eval_batches):           # this rank's rows; the mean is global
-                x, y = (np.asarray(backend.to_numpy(a))[b0:b0 + rows]
-                        for a in self.val_batches.next())
-                losses.append(float(self.model.forward(backend.asarray(x), backend.asarray(y),
-                                                       batch_rows=(b0, b0 + rows, B))[1]))
-            self.model._cache = None
-            return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
-        if self.val_batches is not None:
-            self.val_batches.state = self._val_state        # the same batches every time
-            losses = [float(self.model.forward(*self.val_batches.next())[1])
-                      for _ in range(cfg.eval_batches)]
-            self.model._cache = None
-            return {"val_loss": sum(losses) / len(losses), "val_accuracy": None}
-        if cfg.task == "autoencoder":     # MSE on sequences the model never saw
-            x, _ = self.batches.heldout(seed=_step_seed(cfg.seed, 0, 2))
-            loss = float(self.model.forward(x)[1])
-            self.model._cache = None
-            return {"val_loss": loss, "val_accuracy": None}
-        x, y = self.batches.heldout(500, seed=_step_seed(cfg.seed, 0, 2))
-        logits, loss = self.model.forward(x, y)
-        self.model._cache = None
-        return {"val_loss": float(loss), "val_accuracy": data.exact_match(logits, y)}
+            return self.task.evaluate(self)
 
     def _record_eval(self) -> dict:
         result = self.evaluate()
@@ -765,8 +640,7 @@ class Trainer:
         until = cfg.steps if until is None else min(until, cfg.steps)
         if self.step >= until:
             return self
-        tokens = cfg.batch_size * (2 * cfg.n_digits if task_family(cfg.task) == "digits"
-                                   else cfg.seq_len)
+        tokens = self.task.tokens_per_step(cfg)
         bar = None
         if cfg.progress and self.rank0:
             from tqdm.auto import tqdm
@@ -1371,10 +1245,10 @@ def _main(argv) -> int:
         values = {**PRESETS.get(args.preset, {}), **MODEL_PRESETS.get(args.model_preset, {}),
                   **given}
         if "text" in given:
-            if "task" in given and given["task"] != "text":
+            if "task" in given and given["task"] != FILE_TASK:
                 raise ConfigError("task", f"{given['task']!r} does not read --text (leave "
-                                  "--task out, or give --task text)")
-            values["task"] = "text"
+                                  f"--task out, or give --task {FILE_TASK})")
+            values["task"] = FILE_TASK
         if "warmup_steps" not in given:
             warmup = values.get("warmup_steps", TrainConfig.warmup_steps)
             steps = values.get("steps", TrainConfig.steps)
