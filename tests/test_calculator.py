@@ -11,6 +11,8 @@ import pytest
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.models.sizes import decoder_sizes
+from tfcore.parallel import comm, parts, pipeline, planning, volume
+from tfcore.models import sizes
 from tfcore.parallel.layout import REFUSALS
 from tfcore.parallel.calculator import (
     PRESETS,
@@ -63,3 +65,20 @@ def test_bad_presets_are_refused_by_name():
         calculator_html({"bad": replace(tiny, n_heads=5)})
     with pytest.raises(ValueError, match=r"unknown default\(s\) \['dpp'\]"):
         calculator_html(defaults={"dpp": 2})
+
+
+def test_the_script_names_helpers_that_exist():
+    """Each function of the script names the Python closed form it mirrors (module.name):
+    every name must still be there, so a renamed or removed helper shows up as a stale
+    comment here; and the pipeline's and accumulation's are among them."""
+    html = calculator_html()
+    modules = dict(comm=comm, parts=parts, pipeline=pipeline, planning=planning,
+                   volume=volume, sizes=sizes)
+    named = set(re.findall(r"\b(comm|parts|pipeline|planning|volume|sizes)\.([A-Za-z_]+)",
+                           html))
+    missing = sorted(f"{m}.{n}" for m, n in named if not hasattr(modules[m], n))
+    assert not missing, missing
+    for name in ("volume.layout_traffic", "volume.span_collectives", "pipeline.make_schedule",
+                 "pipeline.stage_param_names", "pipeline.pipeline_bytes_sent",
+                 "planning._activations", "planning._held", "volume.zero_collectives"):
+        assert tuple(name.split(".")) in named, name

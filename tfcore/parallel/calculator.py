@@ -8,29 +8,39 @@ rows per micro-batch, micro-batches, virtual stages, schedule, sequence length, 
 a script that needs no library and no network. For a layout it shows what
 tfcore.parallel.plan returns for it: the fullest rank's parameters, gradients, AdamW state,
 gathered units, activations and total (plan's `memory`), the bytes the busiest rank sends
-in one step by group and collective (`traffic`, and their sum, max(`sent`)) and the bubble;
-"not priced" where plan gives None, and plan's own refusal where it raises ValueError.
+in one step by group and collective (`traffic`, and their sum, max(`sent`)) and the bubble,
+for every layout of the form: data, tensor (with sequence parallelism) and pipeline
+parallelism (GPipe, 1F1B, interleaved over virtual stages), ZeRO, recomputation and
+gradient accumulation; "not priced" where plan gives None (the activations in bfloat16 and
+float16), and plan's own refusal where it raises ValueError.
 
 The split of work: what depends on the model alone is computed here in Python and embedded
 per model (every tensor's shape and its tensor-parallel shard rule, parts.shard_rule, in
-the ZeRO units of fsdp.unit_names; the replicated elements R of volume.replicated_elements;
-the refusals of layout.REFUSALS that the form can reach); the arithmetic that depends on the
-layout runs in the browser, one JavaScript function for each closed form it mirrors:
+the ZeRO units of fsdp.unit_names, from which the script takes a pipeline stage's tensors
+and their replicated elements as layout_traffic does; the refusals of layout.REFUSALS that
+the form can reach); the arithmetic that depends on the layout runs in the browser, one
+JavaScript function for each closed form it mirrors:
 
     chunk, ringSent            comm.chunk_bounds, volume.collective_bytes (ring)
     localElements, units       volume.local_shape, unit_elements, local_parameters
-    zeroMemory, zeroCalls      volume.zero_memory, zero_collectives
-    meshCalls, priceMesh       volume.step_collectives, step_traffic; plan's dp x tp branch
+    zeroMemory, zeroCalls      volume.zero_memory, zero_collectives (K micro-batches)
+    spanCalls                  volume.span_collectives (one chunk's forward and backward)
     activationBytes            models.sizes.decoder_sizes' activation_bytes (one device)
-    rankActivationBytes        volume.rank_activation_bytes (a rank of the parallel decoder)
+    rankActivationBytes        volume.rank_activation_bytes (a span of the parallel decoder)
+    makeSchedule               pipeline.make_schedule (one rank's operations)
+    stageTensors               pipeline.stage_param_names (a stage's tensors)
+    priceLayout                volume.layout_traffic (cp = 1, no buckets, no clipping),
+                               planning._held and planning._activations (the peak of a
+                               pipeline rank's caches over its schedule), per world rank
     plan                       plan()'s checks, in its order, and its branches
 
-Byte counts are BigInt, so every one is exact however large. Pipelines (pp > 1) and
-gradient accumulation are "not priced" here yet (plan prices them with
-volume.layout_traffic, not mirrored). The global batch is dp x micro-batches x rows, which every layout divides. The layout has no ring (cp = 1), no
-gradient buckets and the ring algorithm. tests/browser/test_calculator.py runs the script in
-chromium over a grid of models and layouts and compares every number with plan(). It sits
-beside plan in parallel (it draws nothing: tfcore.viz holds the matplotlib figures).
+The schedule is computed in the browser, not embedded: the form takes any p, m and v, and
+a rank's schedule is a few lines (one loop per schedule). Byte counts are BigInt, so every
+one is exact however large. The global batch is dp x micro-batches x rows, which every
+layout divides. The layout has no ring (cp = 1), no gradient buckets, no clipping and the
+ring algorithm. tests/browser/test_calculator.py runs the script in chromium over a grid of
+models and layouts and compares every number with plan(). It sits beside plan in parallel
+(it draws nothing: tfcore.viz holds the matplotlib figures).
 """
 from __future__ import annotations
 
@@ -44,7 +54,7 @@ from .layout import REFUSALS, SCHEDULES, ZERO_STAGES
 from .parts import shard_rule
 from .planning import ITEMSIZE
 from .harness import CONFIGS
-from .volume import replicated_elements
+from .volume import SCALAR
 
 
 def _llama(**sizes) -> DecoderConfig:
@@ -106,6 +116,9 @@ def model_data(config: DecoderConfig) -> dict:
     def tensors(names, prefix=""):
         return [[n[len(prefix):], shard_rule(n), list(shapes[n])] for n in names]
 
+    covered = {n for names in units.values() for n in names}
+    if covered != set(shapes):                  # stageTensors reads the units alone
+        raise ValueError(f"tensors outside fsdp's units: {sorted(set(shapes) - covered)}")
     block = tensors(units["h0"], "h0.")
     for i in range(1, config.n_layers):
         if tensors(units[f"h{i}"], f"h{i}.") != block:
@@ -117,7 +130,7 @@ def model_data(config: DecoderConfig) -> dict:
                 tied=bool(config.tied_head), pre=config.norm_placement == "pre",
                 mlp=config.mlp, rotary=config.position == "rotary",
                 attention=config.attention, dropout=config.dropout > 0,
-                R=replicated_elements(config), embed=tensors(units["embed"]), block=block,
+                embed=tensors(units["embed"]), block=block,
                 head=tensors(units.get("head", [])),
                 parameters=sum(math.prod(s) for s in shapes.values()))
 
@@ -166,7 +179,7 @@ def calculator_html(presets: dict | None = None, defaults: dict | None = None) -
         raise ValueError(f"unknown default(s) {sorted(unknown)}; expected {sorted(DEFAULTS)}")
     if d["preset"] not in models:
         d["preset"] = next(iter(models))
-    data = dict(models=models, refusals=refusal_data(), itemsize=ITEMSIZE,
+    data = dict(models=models, refusals=refusal_data(), itemsize=ITEMSIZE, scalar=SCALAR,
                 activationDtypes=list(ACTIVATION_DTYPES))
     fields = [
         ("model", _options("preset", list(models), d["preset"])),
@@ -235,13 +248,14 @@ function chunk(M, N, i) {
   return M / n + (B(i) < extra ? 1n : 0n);
 }
 
-// volume.collective_bytes(op, "ring", M, N)["sent"][r], in elements
-function ringSent(op, M, N, r) {
+// volume.collective_bytes(op, "ring", M, N, root=root)["sent"][r], in elements
+function ringSent(op, M, N, r, root) {
   if (N === 1) return 0n;
   const c = (i) => chunk(M, N, i % N);
   if (op === "all_reduce") return 2n * M - c(r) - c(r + 1);
   if (op === "reduce_scatter") return M - c(r);
   if (op === "all_gather") return M - c(r + 1);
+  if (op === "broadcast") return (r - root + N) % N < N - 1 ? M : 0n;   // a chain from root
   throw new Error("unknown collective " + op);
 }
 
@@ -295,41 +309,43 @@ function zeroMemory(m, u, dp, d, zero) {
            gathered: u.Mmax };
 }
 
-// volume.zero_collectives: [group, op, M, times] over dp (a tied embed unit is used twice)
-function zeroCalls(m, u, dp, zero) {
+// volume.zero_collectives(config, tp, t, dp, zero, K, P): [group, op, M, times] over dp of
+// a step of K micro-batches; P the elements the rank holds (a pipeline stage's). ZeRO-0/1
+// once per step; ZeRO-2/3 per unit and micro-batch (a tied embed unit is used twice)
+function zeroCalls(m, u, P, dp, zero, K) {
   if (dp === 1) return [];
-  if (zero === 0) return [["dp", "all_reduce", u.P, 1]];
-  if (zero === 1) return [["dp", "reduce_scatter", u.P, 1], ["dp", "all_gather", u.P, 1]];
+  if (zero === 0) return [["dp", "all_reduce", P, 1]];
+  if (zero === 1) return [["dp", "reduce_scatter", P, 1], ["dp", "all_gather", P, 1]];
   const calls = [];
   // [M, uses of each, units alike]: the embed unit, the L blocks, the head
   const unitList = [[u.embed, m.tied ? 2 : 1, 1], [u.block, 1, m.L]];
   if (m.head.length) unitList.push([u.head, 1, 1]);
   for (const [M, uses, count] of unitList) {
     if (zero === 2) {
-      calls.push(["dp", "reduce_scatter", M, uses * count], ["dp", "all_gather", M, count]);
+      calls.push(["dp", "reduce_scatter", M, uses * K * count], ["dp", "all_gather", M, count]);
     } else {
-      calls.push(["dp", "all_gather", M, 2 * uses * count],
-                 ["dp", "reduce_scatter", M, uses * count]);
+      calls.push(["dp", "all_gather", M, 2 * uses * K * count],
+                 ["dp", "reduce_scatter", M, uses * K * count]);
     }
   }
   return calls;
 }
 
-// volume.step_collectives (+ step_traffic's recomputed forward), one micro-batch of b rows
-function meshCalls(m, x, b) {
-  const L = m.L, n2 = 2 * L + 1, sp = x.sp;
-  const act = b * B(x.seq) * B(m.D), tok = b * B(x.seq);
+// volume.span_collectives: [op, M, times] of one forward and backward of a span of n
+// blocks over [b, S] tokens (a pipeline chunk, or the whole model): the embedding when
+// first, the head and its cross-entropy when last; recompute='full' runs each block's
+// forward exits again in the backward
+function spanCalls(m, b, S, sp, n, first, last, recompute) {
+  const act = b * S * B(m.D), tok = b * S;            // [B, S, D], [B, S]
+  const enters = (first ? 1 : 0) + 2 * n, exits = 2 * n + (last ? 1 : 0);
   const calls = [];
-  if (sp) calls.push(["tp", "reduce_scatter", act, n2], ["tp", "all_gather", act, n2]);
-  else calls.push(["tp", "all_reduce", act, n2]);     // g: embedding, 2 per layer
-  calls.push(["tp", "all_reduce", tok, 3]);           // cross-entropy: max, sum, pick
-  if (x.dp > 1) calls.push(["dp", "all_reduce", 2n, 1]);   // loss sum and token count
-  if (sp) calls.push(["tp", "reduce_scatter", act, n2], ["tp", "all_gather", act, n2],
-                     ["tp", "all_reduce", B(m.R), 1]);
-  else calls.push(["tp", "all_reduce", act, n2]);     // f*: head, 2 per layer
-  if (x.recompute === "full") {                       // each block's forward again
-    if (sp) calls.push(["tp", "all_gather", act, 2 * L], ["tp", "reduce_scatter", act, 2 * L]);
-    else calls.push(["tp", "all_reduce", act, 2 * L]);
+  // forward then backward: g at each entry, f* at each exit, and their adjoints
+  if (sp) calls.push(["reduce_scatter", act, enters + exits], ["all_gather", act, exits + enters]);
+  else calls.push(["all_reduce", act, enters + exits]);
+  if (last) calls.push(["all_reduce", tok, 3]);       // cross-entropy: max, sum, pick
+  if (recompute === "full") {                         // each block's forward again
+    if (sp) calls.push(["all_gather", act, 2 * n], ["reduce_scatter", act, 2 * n]);
+    else calls.push(["all_reduce", act, 2 * n]);
   }
   return calls;
 }
@@ -359,11 +375,12 @@ function activationBytes(m, b, S, f, recompute) {
   return B(m.L) * block + final + loss;
 }
 
-// volume.rank_activation_bytes: a rank of the parallel decoder, one micro-batch of b rows
-// (models.sizes.block_activation_bytes for its heads, key/value heads and columns; the
-// norms on N / tp rows under sp; the embedding's index and mask, the head's input, the
-// cross-entropy's probabilities [N, V_t] with its index and two masks)
-function rankActivationBytes(m, b, S, f, recompute, tp, t, sp) {
+// volume.rank_activation_bytes(config, b, S, tp, t, sp, n, first, last): a span of n blocks
+// of the parallel decoder on rank t, one micro-batch of b rows (models.sizes.
+// block_activation_bytes for its heads, key/value heads and columns; the norms on N / tp
+// rows under sp; when first the embedding's index and mask, when last the head's input,
+// the cross-entropy's probabilities [N, V_t] with its index and two masks)
+function rankActivationBytes(m, b, S, f, recompute, tp, t, sp, n, first, last) {
   const N = b * S, D = B(m.D), Dh = B(m.Dh), F = B(m.F) / B(tp);
   const rows = sp ? N / B(tp) : N;
   const h = B(m.H / tp), [k0, k1] = kvHeads(m, tp, t), g = B(k1 - k0);
@@ -384,10 +401,39 @@ function rankActivationBytes(m, b, S, f, recompute, tp, t, sp) {
     const bools = (m.dropout ? masks + 2n * rows * D : 0n) + (m.mlp === "relu" ? N * F : 0n);
     block = floats * f + bools;
   }
-  const first = 9n * N + (m.dropout ? rows * D : 0n);  // int64 index, bool mask; dropout
-  const last = (m.pre ? (rows * D + rows) * f : 0n) + N * D * f
+  const embedding = 9n * N + (m.dropout ? rows * D : 0n);  // int64 index, bool mask; dropout
+  const head = (m.pre ? (rows * D + rows) * f : 0n) + N * D * f
     + N * chunk(B(m.V), tp, t) * f + 10n * N;         // int64 index, two bool masks
-  return B(m.L) * block + first + last;
+  return B(n) * block + (first ? embedding : 0n) + (last ? head : 0n);
+}
+
+// pipeline.make_schedule(name, p, m, v)[r]: rank r's operations [op, micro-batch, chunk]
+// (gpipe_schedule, one_f_one_b_schedule, interleaved_schedule); computed here because the
+// form takes any p, m and v (a table per (schedule, p, m, v) would not fit in the page)
+function makeSchedule(name, p, m, v, r) {
+  const ops = [];
+  if (name === "gpipe") {                             // every forward, then every backward
+    for (let i = 0; i < m; i++) ops.push(["F", i, 0]);
+    for (let i = 0; i < m; i++) ops.push(["B", i, 0]);
+    return ops;
+  }
+  if (name === "1f1b") {                              // p - r - 1 warm-up forwards, then F, B
+    const warm = Math.min(p - r - 1, m);
+    for (let i = 0; i < warm; i++) ops.push(["F", i, 0]);
+    for (let i = 0; i < m - warm; i++) ops.push(["F", warm + i, 0], ["B", i, 0]);
+    for (let i = m - warm; i < m; i++) ops.push(["B", i, 0]);
+    return ops;
+  }
+  // interleaved: the k-th forward runs micro-batch (k // (p v)) p + k mod p on chunk
+  // (k // p) mod v, the k-th backward the same micro-batch on chunk v - 1 - (k // p) mod v
+  const total = v * m, fl = Math.floor;
+  const forward = (k) => ["F", fl(k / (p * v)) * p + k % p, fl(k / p) % v];
+  const backward = (k) => ["B", fl(k / (p * v)) * p + k % p, v - 1 - fl(k / p) % v];
+  const warm = Math.min(2 * (p - r - 1) + (v - 1) * p, total);
+  for (let k = 0; k < warm; k++) ops.push(forward(k));
+  for (let i = 0; i < total - warm; i++) ops.push(forward(warm + i), backward(i));
+  for (let k = total - warm; k < total; k++) ops.push(backward(k));
+  return ops;
 }
 
 // the fullest rank (the first of the largest total) and the busiest (the first of the
@@ -404,37 +450,123 @@ function pick(memory, traffic) {
   return { memory: memory[full], traffic: busiest, sent: sent[busy] };
 }
 
-// plan's dp x tp branch: every world rank w = d tp + t
-function priceMesh(m, x, f) {
-  const b = B(x.rows * x.microbatches);               // batch / dp
+// pipeline.stage_param_names(config, pp, s, v): rank s's tensors as [tensor, copies]: the
+// embedding when it holds virtual stage 0 (s = 0), L / pp blocks, the final norm and head
+// when it holds the last (s = pp - 1; with a tied head its own copy of wte); pp = 1: all
+function stageTensors(m, pp, s) {
+  const first = s === 0, last = s === pp - 1, out = [];
+  for (const x of m.embed) if (first || (last && m.tied && x[0] === "wte")) out.push([x, 1]);
+  for (const x of m.block) out.push([x, m.L / pp]);
+  if (last) for (const x of m.head) out.push([x, 1]);
+  return { first, last, tensors: out };
+}
+
+// plan(): volume.layout_traffic's calls and planning._held's memory of every world rank
+// w = (d pp + s) tp + t (mesh.py, cp = 1), then the fullest and busiest (pick). The calls of
+// rank (s, t) are [group, op, M, times, bytes per element, root]; only the data-parallel
+// rank d changes which share of them it sends, so they are made once per (s, t).
+function priceLayout(m, x, f, schedule) {
+  const K = x.microbatches, pp = x.pp, v = x.virtual, per = m.L / (pp * v);
+  const b = B(x.rows), S = B(x.seq);                  // a micro-batch: batch / (dp K) rows
   const priced = DATA.activationDtypes.includes(x.dtype);
-  const activations = (t) => !priced ? null : x.dp * x.tp === 1
-    ? activationBytes(m, b, B(x.seq), f, x.recompute)             // one device: DecoderLM
-    : rankActivationBytes(m, b, B(x.seq), f, x.recompute, x.tp, t, x.sp);
-  const base = meshCalls(m, x, b);
   const sharing = m.Hkv < x.tp ? Math.floor(x.tp / m.Hkv) : 1;
-  const perT = [];
-  for (let t = 0; t < x.tp; t++) perT.push(units(m, x.tp, t));
+  const kvRows = m.block.filter((y) => y[1] === "qkv_cols")     // rows of the fused q, k, v
+    .reduce((a, y) => a + prod(y[2].slice(0, -1)), 0n);
+  const SCALAR = B(DATA.scalar);                      // volume.SCALAR: float64 bookkeeping
+  const ranks = [];                                   // [s][t]: {P, calls, activations, u}
+  for (let s = 0; s < pp; s++) {
+    const stage = stageTensors(m, pp, s), row = [];
+    const chunks = [];
+    for (let j = 0; j < v; j++) chunks.push(j * pp + s);
+    const ops = pp > 1 ? makeSchedule(schedule, pp, K, v, s) : null;
+    for (let t = 0; t < x.tp; t++) {
+      const u = units(m, x.tp, t);
+      let P = 0n, replicated = 0n;
+      for (const [y, copies] of stage.tensors) {
+        const n = B(copies) * localElements(m, y, x.tp, t);
+        P += n;
+        if (y[1] === "replicated") replicated += n;
+      }
+      const [k0, k1] = kvHeads(m, x.tp, t);
+      const kv = sharing > 1 ? B(m.L / pp) * kvRows * B(2 * (k1 - k0) * m.Dh) : 0n;
+      const calls = [];
+      for (const c of chunks) {                       // per chunk, each of K micro-batches
+        const n = pp > 1 ? per : m.L;
+        for (const [op, M, times] of spanCalls(m, b, S, x.sp, n, c === 0, c === pp * v - 1,
+                                               x.recompute)) {
+          calls.push(["tp", op, M, times * K, f, 0]);
+        }
+        if (x.sp && x.tp > 1 && replicated) calls.push(["tp", "all_reduce", replicated, K, f, 0]);
+        if (kv) calls.push(["kv", "all_reduce", kv, K, f, 0]);   // shared key/value heads
+      }
+      const fixed = {};                               // bytes not of a collective
+      if (pp > 1) {
+        // pipeline.pipeline_bytes_sent: per micro-batch an activation from every chunk but
+        // the last virtual stage, a gradient from every chunk but virtual stage 0
+        const tokens = b * S / B(x.sp ? x.tp : 1);
+        const messages = chunks.filter((c) => c !== pp * v - 1).length
+          + chunks.filter((c) => c !== 0).length;
+        fixed["pp send"] = B(messages * K) * tokens * B(m.D) * f;
+        // pipeline.share_losses: the token count and the loss over dp on the last stage,
+        // the loss broadcast from the last stage down the pipeline
+        if (stage.last && x.dp > 1) calls.push(["dp", "all_reduce", 1n, 2, SCALAR, 0]);
+        calls.push(["pp", "broadcast", 1n, 1, SCALAR, pp - 1]);
+        if (m.tied && stage.first !== stage.last) {   // the two copies of wte summed
+          const wte = m.embed.find((y) => y[0] === "wte");
+          calls.push(["embedding", "all_reduce", localElements(m, wte, x.tp, t), 1, f, 0]);
+        }
+      } else if (x.dp > 1) {
+        calls.push(["dp", "all_reduce", 2n, K, f, 0]);    // each micro-batch's loss and count
+        if (K > 1) calls.push(["dp", "all_reduce", B(K), 1, SCALAR, 0]);  // the K counts
+      }
+      for (const [g, op, M, times] of zeroCalls(m, u, P, x.dp, x.zero, K)) {
+        calls.push([g, op, M, times, f, 0]);
+      }
+      let activations = null;                         // planning._activations
+      if (priced && pp > 1) {                         // the peak over the schedule
+        const cache = chunks.map((c) => rankActivationBytes(m, b, S, f, x.recompute, x.tp, t,
+                                                             x.sp, per, c === 0,
+                                                             c === pp * v - 1));
+        let held = 0n;
+        activations = 0n;
+        for (const [op, , c] of ops) {                // a forward adds, its backward frees
+          held += op === "F" ? cache[c] : -cache[c];
+          if (held > activations) activations = held;
+        }
+      } else if (priced) {
+        activations = x.dp * x.tp === 1
+          ? activationBytes(m, b, S, f, x.recompute)  // one device: DecoderLM
+          : rankActivationBytes(m, b, S, f, x.recompute, x.tp, t, x.sp, m.L, true, true);
+      }
+      row.push({ u, P, calls, fixed, activations, last: stage.last });
+    }
+    ranks.push(row);
+  }
   const memory = [], traffic = [];
   for (let d = 0; d < x.dp; d++) {
-    for (let t = 0; t < x.tp; t++) {
-      const u = perT[t];
-      const mem = zeroMemory(m, u, x.dp, d, x.zero);
-      for (const k of Object.keys(mem)) mem[k] *= f;
-      mem.activations = activations(t);
-      mem.total = mem.params + mem.grads + mem.optimizer + (mem.activations || 0n);
-      memory.push(mem);
-      const calls = base.concat(zeroCalls(m, u, x.dp, x.zero));
-      if (sharing > 1) {                              // shared key/value heads' gradients
-        calls.push(["kv", "all_reduce", B(m.L * 2 * m.Dh * (m.D + (m.bias ? 1 : 0))), 1]);
+    for (let s = 0; s < pp; s++) {
+      for (let t = 0; t < x.tp; t++) {
+        const r = ranks[s][t];
+        let mem;                                      // planning._held, in elements
+        if (pp > 1) {                                 // the stage's tensors, ZeRO-1 at most
+          mem = { params: r.P, grads: r.P, optimizer: 2n * (x.zero === 0 ? r.P
+                  : chunk(r.P, x.dp, d)), gathered: 0n };
+        } else {
+          mem = zeroMemory(m, r.u, x.dp, d, x.zero);
+        }
+        for (const k of Object.keys(mem)) mem[k] *= f;
+        mem.activations = r.activations;
+        mem.total = mem.params + mem.grads + mem.optimizer + (mem.activations || 0n);
+        memory.push(mem);
+        const byOp = Object.assign({}, r.fixed);
+        for (const [g, op, M, times, size, root] of r.calls) {
+          const [n, i] = { tp: [x.tp, t], dp: [x.dp, d], kv: [sharing, t % sharing],
+                           pp: [pp, s], embedding: [2, r.last ? 1 : 0] }[g];
+          const key = g + " " + op;
+          byOp[key] = (byOp[key] || 0n) + B(times) * ringSent(op, M, n, i, root) * size;
+        }
+        traffic.push(byOp);
       }
-      const byOp = {};
-      for (const [g, op, M, times] of calls) {
-        const [n, r] = g === "tp" ? [x.tp, t] : g === "dp" ? [x.dp, d] : [sharing, t % sharing];
-        const key = g + " " + op;
-        byOp[key] = (byOp[key] || 0n) + B(times) * ringSent(op, M, n, r) * f;
-      }
-      traffic.push(byOp);
     }
   }
   return pick(memory, traffic);
@@ -504,12 +636,9 @@ function plan(m, x) {
       + "): every rank holds at least one row";
   }
   const f = B(DATA.itemsize[x.dtype]);
-  const result = { memory: null, traffic: null, sent: null, schedule: schedule,
+  const result = { schedule: schedule,                // pipeline.bubble_fraction
                    bubble: (x.pp - 1) / (x.virtual * x.microbatches) };
-  // pipelines and accumulation: volume.layout_traffic's per-chunk and per-micro-batch
-  // collectives are not mirrored here yet, so the page says "not priced"
-  const priced = x.pp === 1 && x.microbatches === 1 ? priceMesh(m, x, f) : null;
-  return Object.assign(result, priced || {});
+  return Object.assign(result, priceLayout(m, x, f, schedule));
 }
 
 // ---- the form -----------------------------------------------------------------------
@@ -526,6 +655,9 @@ function readForm() {
     if (k !== "seq" && x[k] > LIMIT) return k + " above " + LIMIT + " is beyond this calculator";
   }
   if (x.seq > 1 << 24) return "seq above " + (1 << 24) + " is beyond this calculator";
+  if (x.pp * x.virtual * x.microbatches > 1 << 20) {   // the schedules' operations
+    return "pp x virtual x micro-batches above " + (1 << 20) + " is beyond this calculator";
+  }
   x.zero = Number(el.zero.value);
   x.sp = el.sp.checked;
   x.recompute = el.recompute.value;
