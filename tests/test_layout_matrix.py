@@ -200,6 +200,11 @@ ACTIVATION_LAYOUTS = {
     "pp2 x tp2, sp": Layout(pp=2, tp=2, sp=True, micro_batches=2),
     "pp2 x dp2, gpipe": Layout(pp=2, dp=2, micro_batches=2, schedule="gpipe"),
     "pp2, v2": Layout(pp=2, micro_batches=2, virtual=2),
+    "cp2": Layout(cp=2),
+    "cp2, contiguous": Layout(cp=2, balanced=False),
+    "cp2 x tp2, sp": Layout(cp=2, tp=2, sp=True),
+    "cp2 x dp2, zero1": Layout(cp=2, dp=2, zero=1),
+    "pp2 x cp2": Layout(pp=2, cp=2, micro_batches=2),
 }
 ACTIVATION_CASES = [(l, f) for l, layout in ACTIVATION_LAYOUTS.items()
                     for f, config in FEATURES.items()
@@ -233,8 +238,9 @@ def _cache_bytes(world, config, layout):
 def test_the_activations_of_a_layout_are_its_formula(lname, fname):
     """plan()'s activations per rank are the bytes its caches keep, measured as they are
     kept (sizes.held_bytes: every buffer once): after a forward of the rank's rows under
-    tensor and sequence parallelism and data parallelism, and at a pipeline rank's peak
-    over its schedule (the executor's count of the chunk caches alive at once)."""
+    tensor, sequence, data and context parallelism (the ring's positions, balanced or
+    contiguous), and at a pipeline rank's peak over its schedule (the executor's count of
+    the chunk caches alive at once)."""
     from tfcore.parallel import plan
 
     layout = ACTIVATION_LAYOUTS[lname]

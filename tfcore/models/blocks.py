@@ -282,11 +282,12 @@ def attention_sublayer_forward(params, prefix, x, spec, *, rope=None, rng=None, 
         # keep what builds A again, not A: q, k, v (kept anyway) and the generator as it was
         c_att = ("recompute", q, k, v, replay, training, index)
     merged = merge_heads(a)                                             # [B, S, D]
-    if spec.attention == "tiled" and not spec.recompute_attention and not parts.ring:
-        # the tiled backward reads the output only through rowsum(dout * out): keep it as
-        # the [B, H, S, D_h] view of the merged heads that the projection keeps anyway (the
-        # fused kernel's output already is one), so that one [B, S, D] array is kept, not two
-        c_att = c_att._replace(out=split_heads(merged, spec.n_heads))
+    if spec.attention == "tiled" and not spec.recompute_attention:
+        # the tiled backward (and the ring's, made of it) reads the output only through
+        # rowsum(dout * out): keep it as the [B, H, S, D_h] view of the merged heads that the
+        # projection keeps anyway (the fused kernel's output already is one), so that one
+        # [B, S, D] array is kept, not two
+        c_att = parts.attention_keep_output(c_att, split_heads(merged, spec.n_heads))
     out, c_proj = parts.row_linear_forward(params, prefix + ".proj", merged)   # [B, S, D]
     out, c_drop = _dropout_forward(out, spec.dropout, rng, training)    # [B, S, D]
     return out, AttentionSublayerCache(c_in, c_qkv, c_rope_q, c_rope_k, c_att, c_proj, c_drop)

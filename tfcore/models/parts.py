@@ -16,6 +16,8 @@ happens, they call a *part* instead of an op, and a parallel layout hands them o
     enter_forward / _backward     identity                       f, or all-gather along S
     row_linear_forward/_backward  x W + b                        exit(x W_r) + b
     attention_forward/_backward   dense or tiled                 ring attention (CP)
+    attention_keep_output         the tiled cache keeps the      the ring's likewise
+                                  merged heads' view
     head_forward / _backward      x W + b                        column-parallel (TP)
     loss_forward / _backward      mean cross-entropy             vocab-parallel; the count
                                                                  summed over dp and cp
@@ -109,6 +111,11 @@ class OneDevice:
         """The tiled op's dropout_index (whole shape, origin) of this rank's block of the
         attention: None on one device (the block is the whole)."""
         return None
+
+    def attention_keep_output(self, cache, out):
+        """The tiled attention's cache holding `out` (a view of the merged heads, equal to
+        its own output) in place of its output."""
+        return cache._replace(out=out)
 
     # -- embedding: ids [B, S] -> tokens [B, S, D] (positions are the model's) ---------------
     def embed_forward(self, params, ids):

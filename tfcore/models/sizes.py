@@ -81,7 +81,7 @@ def block_param_count(d_model: int, d_ff: int, norm: str, mlp: str, bias: bool,
 
 def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, dropout, dtype,
                            attention="dense", n_kv_heads=None, recompute="none", tp=1,
-                           kv_local=None, sp=False):
+                           kv_local=None, sp=False, repeats_kv=True):
     """Bytes one block's caches keep after a training forward (see the module docstring).
 
     recompute (chapter 17): "full" keeps only the block's input [N, D]; "selective" keeps
@@ -104,7 +104,8 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     when H_kv < N_T) and its F / N_T hidden columns; the sublayers' inputs (gathered under
     sequence parallelism) are whole [N, D]; the norms, the residual dropout masks and the
     block's input under full recomputation are [N / N_T, D] with sp (chapter 12's sequence
-    parallelism), whole without.
+    parallelism), whole without. repeats_kv=False: attention keeps no repeated key/value
+    heads (the ring repeats each arriving block for its products and drops it).
     """
     N, D = batch * seq, d_model
     D_h, rows = D // n_heads, N // tp if sp else N          # rows: the norms' tokens
@@ -121,7 +122,7 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
         scores_kept, scores_masks = 0, 0
     else:
         scores_kept, scores_masks = scores, scores
-    if g == h:       # the fused q, k, v output; rotary: new q and k (v stays a view of it)
+    if g == h or not repeats_kv:   # the fused q, k, v output; rotary: new q and k (v a view)
         qkv = N * (h + 2 * g) * D_h + (N * (h + g) * D_h if rotary else 0)
     elif rotary:     # grouped: q a rotated copy, k and v repeated copies (the fused output
         qkv = 3 * N * h * D_h                      # and the rotated k are not kept alive)

@@ -339,6 +339,12 @@ class ParallelParts(OneDevice):
     def attention_backward(self, da, cache, spec):
         return ring_attention_backward(da, cache)
 
+    def attention_keep_output(self, cache, out):
+        """The ring's cache (q, k, v, out, lse, ...) with `out` in place of its output."""
+        if not self.ring:
+            return super().attention_keep_output(cache, out)
+        return cache[:3] + (out,) + cache[4:]
+
     # -- head and loss -------------------------------------------------------------------
     def head_forward(self, x, W, b):
         return L.column_parallel_linear_forward(x, W, b, self.tp, self.sp)

@@ -30,11 +30,11 @@ holds at once (peak_stored_microbatches).
 The activations are the bytes a rank's caches keep at the step's peak, for one
 micro-batch: one device's (DecoderLM, sizes.decoder_sizes) alone; a rank of the parallel
 decoder volume.rank_activation_bytes (its heads and columns under tensor parallelism, its
-rows under sequence parallelism, the vocab-parallel embedding's and cross-entropy's masks
-and indices); a pipeline rank the most chunk caches its schedule keeps at once (walking
-its operations). Tests compare each with the caches as held (test_layout_matrix.py). They
-are None rather than a guess with a ring (its caches have no closed form here yet) and
-under mixed precision (tfcore's autocast keeps float32 arrays where a GPU keeps bfloat16).
+rows under sequence parallelism, its positions on a ring, the vocab-parallel embedding's
+and cross-entropy's masks and indices); a pipeline rank the most chunk caches its schedule
+keeps at once (walking its operations). Tests compare each with the caches as held
+(test_layout_matrix.py). They are None rather than a guess under mixed precision (tfcore's
+autocast keeps float32 arrays where a GPU keeps bfloat16 ones).
 
 A layout that Layout.validate refuses (layout.REFUSALS: the one list of the combinations
 that do not train, shared with the command line and the builders) raises its ValueError,
@@ -267,13 +267,15 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         clip=clip, bucket_bytes=layout_buckets, algorithm=algorithm, itemsize=f,
         rounds=rounds)
     model = replace(config, dtype=dtype)
-    priced = cp == 1 and not mixed_precision and dtype in ("float32", "float64")
+    priced = not mixed_precision and dtype in ("float32", "float64")
+    ring = ContextLayout(seq, cp, balanced) if cp > 1 else None
     micro = batch // (dp * microbatches)                         # rows of a micro-batch
     memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero,
                              MIXED if mixed_precision else dict(
                                  params=f, grads=f, gathered=f, optimizer=2 * f),
                              _activations(model, micro, seq, tp, t, sp, pp, s, virtual,
-                                          microbatches, schedule, dp * tp * pp == 1)
+                                          microbatches, schedule, ring, c,
+                                          dp * tp * pp * cp == 1)
                              if priced else None)
                        for d in range(dp) for s in range(pp) for c in range(cp)
                        for t in range(tp)]
@@ -296,25 +298,27 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
 
 
 def _activations(config, rows, seq, tp, t, sp, pp, s, virtual, microbatches, schedule,
-                 one_device) -> int:
-    """Bytes of the caches rank (s, t) holds at its peak: one device's (DecoderLM:
+                 ring, c, one_device) -> int:
+    """Bytes of the caches rank (s, c, t) holds at its peak: one device's (DecoderLM:
     sizes.decoder_sizes) alone; a rank of the parallel decoder volume.rank_activation_bytes
-    for one micro-batch; a pipeline stage the most its schedule keeps at once: walking its
-    operations, each forward of a chunk adds that chunk's caches (its blocks, the
-    embedding's on chunk 0, the head's and the loss's on the last) and its backward frees
-    them."""
+    for one micro-batch (on ring rank c of `ring`: its S_c positions and chunks); a pipeline
+    stage the most its schedule keeps at once: walking its operations, each forward of a
+    chunk adds that chunk's caches (its blocks, the embedding's on chunk 0, the head's and
+    the loss's on the last) and its backward frees them."""
     if one_device:
         return decoder_sizes(config, rows, seq)["activation_bytes"]
+    local = dict(ring_chunks=len(ring.chunks_of(c)) if ring is not None else 0)
+    S_c = ring.local_len(c) if ring is not None else seq
     if pp == 1:
-        return rank_activation_bytes(config, rows, seq, tp, t, sp)
+        return rank_activation_bytes(config, rows, S_c, tp, t, sp, **local)
     last = pp * virtual - 1
-    chunk = {c: rank_activation_bytes(config, rows, seq, tp, t, sp,
-                                      len(stage_layers(config, pp, virtual, c * pp + s)),
-                                      c * pp + s == 0, c * pp + s == last)
-             for c in range(virtual)}
+    chunk = {j: rank_activation_bytes(config, rows, S_c, tp, t, sp,
+                                      len(stage_layers(config, pp, virtual, j * pp + s)),
+                                      j * pp + s == 0, j * pp + s == last, **local)
+             for j in range(virtual)}
     held = peak = 0
-    for op, _, c in make_schedule(schedule, pp, microbatches, virtual)[s]:
-        held += chunk[c] if op == "F" else -chunk[c]
+    for op, _, j in make_schedule(schedule, pp, microbatches, virtual)[s]:
+        held += chunk[j] if op == "F" else -chunk[j]
         peak = max(peak, held)
     return peak
 

@@ -433,7 +433,8 @@ def step_traffic(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool,
 
 def rank_activation_bytes(config, rows: int, seq: int, tp: int = 1, t: int = 0,
                           sp: bool = False, n_layers: int | None = None, first: bool = True,
-                          last: bool = True, training: bool = True) -> int:
+                          last: bool = True, training: bool = True,
+                          ring_chunks: int = 0) -> int:
     """Bytes the caches of one forward of a span of the parallel decoder keep on
     tensor-parallel rank t, for [rows, seq] tokens (N = rows seq): n_layers blocks
     (sizes.block_activation_bytes with this rank's heads and columns), and
@@ -443,7 +444,11 @@ def rank_activation_bytes(config, rows: int, seq: int, tp: int = 1, t: int = 0,
              [N, D] (gathered under sp), the vocab-parallel cross-entropy's probabilities
              [N, V_t] and its target index, ownership mask and count mask (int64, bool,
              bool [N])
-    in the config's dtype; training=False leaves out dropout's masks."""
+    in the config's dtype; training=False leaves out dropout's masks. On a ring
+    (ring_chunks: how many chunks of the sequence the rank holds, seq its S_r positions)
+    attention is the tiled op's, keeps no repeated key/value heads, and a rank of two or
+    more chunks keeps the rotary tables of its positions (cos, sin [S_r, D_h / 2]: built
+    by concatenation, where one chunk's are views of the model's)."""
     from ..models.sizes import BOOL_BYTES, INT64_BYTES, block_activation_bytes
     from .parts import kv_heads_of
 
@@ -453,9 +458,13 @@ def rank_activation_bytes(config, rows: int, seq: int, tp: int = 1, t: int = 0,
     dropout = training and c.dropout > 0
     k0, k1 = kv_heads_of(c, tp, t)
     L = c.n_layers if n_layers is None else n_layers
+    rotary = c.position == "rotary"
     total = L * block_activation_bytes(
-        rows, seq, c.d_model, c.n_heads, c.d_ff, c.mlp, c.position == "rotary", dropout,
-        c.dtype, c.attention, c.n_kv_heads, c.recompute, tp=tp, kv_local=k1 - k0, sp=sp)
+        rows, seq, c.d_model, c.n_heads, c.d_ff, c.mlp, rotary, dropout, c.dtype,
+        "tiled" if ring_chunks else c.attention, c.n_kv_heads, c.recompute, tp=tp,
+        kv_local=k1 - k0, sp=sp, repeats_kv=not ring_chunks)
+    if rotary and ring_chunks > 1 and L:
+        total += seq * c.head_dim * f
     if first:
         total += N * (INT64_BYTES + BOOL_BYTES) + (n_rows * c.d_model * BOOL_BYTES
                                                    if dropout else 0)
