@@ -347,3 +347,90 @@ def test_config_values_of_the_wrong_type_are_refused(field, value):
     with pytest.raises(train_mod.ConfigError) as err:
         dataclasses.replace(TINY, **{field: value}).validate()
     assert err.value.field == field
+
+
+# -- the tasks -------------------------------------------------------------------------------
+
+def test_the_task_registry_is_the_one_place_a_task_name_decides_anything():
+    """Every task name has a Task (tasks.REGISTRY) and tfcore/train.py compares no task's
+    or family's name: the Trainer and TrainConfig ask the task's object instead."""
+    import ast
+
+    from tfcore import tasks
+
+    assert set(train_mod.TASKS) == set(tasks.REGISTRY)
+    assert {name: task.family for name, task in tasks.REGISTRY.items()} == {
+        "shakespeare": "text", "text": "text", "reverse": "digits", "sort": "digits",
+        "autoencoder": "autoencoder"}
+    assert set(tasks.FAMILIES) == {"text", "digits", "autoencoder"}
+    # "text" is also a field's name (the file), so a bare "text" is not a task's name here
+    names = (set(tasks.REGISTRY) | set(tasks.FAMILIES)) - {"text"}
+    tree = ast.parse(Path(train_mod.__file__).read_text(encoding="utf-8"))
+
+    def named(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    def family(node) -> bool:        # task_family(...), task.family, family
+        return (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "task_family"
+                or isinstance(node, ast.Attribute) and node.attr == "family"
+                or isinstance(node, ast.Name) and node.id == "family")
+
+    def task(node) -> bool:          # cfg.task, config["task"]
+        return (isinstance(node, ast.Attribute) and node.attr == "task"
+                or isinstance(node, ast.Subscript) and named(node.slice)
+                and node.slice.value == "task")
+
+    switches = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = (node.left, *node.comparators)
+            if (any(named(s) and s.value in names or family(s) for s in sides)
+                    or any(map(task, sides)) and any(map(named, sides))):
+                switches.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert switches == [], switches
+    assert not any(isinstance(node, ast.Name) and node.id == "task_family"
+                   for node in ast.walk(tree))
+
+
+def test_a_new_task_trains_saves_and_resumes_without_touching_the_trainer(tmp_path,
+                                                                          monkeypatch):
+    """A task registered in tasks.REGISTRY alone (the alphabet, by character) is checked,
+    trained, evaluated, saved and resumed by the unchanged TrainConfig and Trainer."""
+    from tfcore import tasks
+
+    class AlphabetTask(tasks.TextTask):
+        family = "alphabet"
+        parallel = False
+
+        def data(self, cfg):
+            text = "abcdefghijklmnopqrstuvwxyz" * 20
+            tok = data.CharTokenizer.from_text(text)
+            ids = tok.encode(text)                                   # [520] int64
+            return tasks.TaskData(
+                batches=data.TextBatches(ids[:400], cfg.batch_size, cfg.seq_len, cfg.seed),
+                val_batches=data.TextBatches(ids[400:], cfg.batch_size, cfg.seq_len, 1),
+                tokenizer=tok, text_sha256=None, vocab_size=tok.vocab_size)
+
+    alphabet = AlphabetTask()
+    monkeypatch.setitem(tasks.REGISTRY, "alphabet", alphabet)
+    monkeypatch.setitem(tasks.FAMILIES, "alphabet", alphabet)
+    cfg = dataclasses.replace(TINY, task="alphabet", seq_len=None, steps=6, eval_interval=3,
+                              out_dir=str(tmp_path / "run"))
+    assert cfg.seq_len == 64 and cfg.norm == "layernorm"      # its settings' defaults
+    with pytest.raises(train_mod.ConfigError) as err:          # its refusals: no layout
+        dataclasses.replace(cfg, seq_len=8, dp=2).validate()
+    assert err.value.field == "dp" and "task 'alphabet' trains on one device" in str(err.value)
+    with pytest.raises(train_mod.ConfigError) as err:          # a setting it does not read
+        dataclasses.replace(cfg, n_digits=4).validate()
+    assert err.value.field == "n_digits"
+    cfg = dataclasses.replace(cfg, seq_len=8)
+    straight = Trainer(cfg).run()
+    assert straight.model_config.vocab_size == 26 and straight.model_config.max_seq_len == 8
+    losses = straight.history["val_loss"]
+    assert straight.history["eval_step"] == [3, 6] and all(np.isfinite(losses))
+    assert straight.history["loss"][-1] < straight.history["loss"][0]
+    half = Trainer(dataclasses.replace(cfg, out_dir=str(tmp_path / "half"))).run(until=3)
+    half.save(tmp_path / "half.npz")
+    resumed = Trainer.from_checkpoint(tmp_path / "half.npz").run()
+    assert same(snapshot(resumed), snapshot(straight))
+    assert resumed.history["val_loss"] == losses

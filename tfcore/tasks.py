@@ -282,7 +282,7 @@ class AutoencoderTask(Task):
 _TEXT, _DIGITS = TextTask(), DigitsTask()
 REGISTRY = {"shakespeare": _TEXT, FILE_TASK: _TEXT, "reverse": _DIGITS, "sort": _DIGITS,
             "autoencoder": AutoencoderTask()}
-FAMILIES = {task.family: task for task in REGISTRY.values()}
+FAMILIES = {task.family: task for task in REGISTRY.values()}     # {family: its Task}
 
 
 def task_of(name: str) -> Task:
@@ -290,9 +290,3 @@ def task_of(name: str) -> Task:
     if name not in REGISTRY:
         raise ValueError(f"unknown task {name!r}: expected one of {', '.join(REGISTRY)}")
     return REGISTRY[name]
-
-
-def task_family(task: str) -> str:
-    """'text' (shakespeare, text), 'digits' (reverse, sort) or 'autoencoder'; an unknown
-    name is returned as it is (TrainConfig.validate refuses it)."""
-    return REGISTRY[task].family if task in REGISTRY else task

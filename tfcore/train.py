@@ -64,11 +64,11 @@ import numpy as np
 from . import backend, kernels, optim
 from .backend import FLOAT_DTYPES
 from .models.decoder import DecoderConfig, DecoderLM
-from .tasks import FAMILIES, FILE_TASK, REGISTRY, ConfigError, task_family, task_of
+from .tasks import FILE_TASK, REGISTRY, ConfigError, task_of
 from .tasks import step_seed as _step_seed
 
 FORMAT, VERSION = "tfcore-checkpoint", 1
-TASKS = tuple(REGISTRY)      # every task name (tfcore.tasks: their families)
+TASKS = tuple(REGISTRY)      # the task names (tfcore.tasks.REGISTRY: their families)
 
 
 # The model's settings: every DecoderConfig field but the two the data decides (the
@@ -87,11 +87,17 @@ DECODER_SETTINGS = tuple(n for n in MODEL_FIELDS if n not in SHARED_MODEL)
 DECODER_DEFAULTS = {n: f.default for f in fields(DecoderConfig)
                     for n in (RENAMED.get(f.name, f.name),) if n in DECODER_SETTINGS}
 
-# The settings each task family reads (its own, and the decoder's for a decoder task).
-# One that a task ignores stays None: given, it is refused rather than written into a
-# checkpoint that would then describe a model it is not.
-TASK_SETTINGS = {family: (*task.settings, *(DECODER_SETTINGS if task.decoder else ()))
-                 for family, task in FAMILIES.items()}
+
+def task_settings(task) -> tuple:
+    """The settings a task (tfcore.tasks.Task, or None: an unknown name) reads: its own,
+    and the decoder's fields for a decoder task. One that a task ignores stays None:
+    given, it is refused rather than written into a checkpoint that would then describe
+    a model it is not."""
+    if task is None:
+        return ()
+    return (*task.settings, *(DECODER_SETTINGS if task.decoder else ()))
+
+
 OPTIONAL_SETTINGS = {"n_digits": 6, "seq_len": 64, "standardize": True, **DECODER_DEFAULTS}
 PRECISIONS = {"bf16": "bfloat16", "fp16": "float16"}     # --mixed-precision's formats
 
@@ -184,9 +190,9 @@ class TrainConfig:
     schedule: str | None = None
 
     def __post_init__(self):
-        family = task_family(self.task) if isinstance(self.task, str) else None
+        reads = task_settings(REGISTRY.get(self.task) if isinstance(self.task, str) else None)
         for name, default in OPTIONAL_SETTINGS.items():
-            if getattr(self, name) is None and name in TASK_SETTINGS.get(family, ()):
+            if getattr(self, name) is None and name in reads:
                 setattr(self, name, default)
 
     def validate(self) -> "TrainConfig":
@@ -194,11 +200,12 @@ class TrainConfig:
         from .models.blocks import MLPS
         from .models.decoder import POSITIONS
 
-        if self.task not in TASKS:
-            raise ConfigError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if not isinstance(self.task, str) or self.task not in REGISTRY:
+            raise ConfigError("task", f"must be one of {', '.join(REGISTRY)}, got "
+                              f"{self.task!r}")
         task = task_of(self.task)
         for name in OPTIONAL_SETTINGS:
-            if name not in TASK_SETTINGS[task.family] and getattr(self, name) is not None:
+            if name not in task_settings(task) and getattr(self, name) is not None:
                 reads = ", ".join(task.settings) + (" and the decoder's fields"
                                                     if task.decoder else "")
                 raise ConfigError(name, f"is not read by task {self.task!r} (it sets "
@@ -604,6 +611,15 @@ class Trainer:
         with precision_scope(PRECISIONS.get(self.config.mixed_precision)), (
                 backend.expected_overflow() if fp16 else contextlib.nullcontext()):
             return self.task.evaluate(self)
+
+    @property
+    def val_ids(self):
+        """A text task's validation ids [N] int64: the stream its validation batches
+        sample (the corpus's last val_fraction)."""
+        if self.val_batches is None:
+            raise AttributeError(f"task {self.config.task!r} has no validation ids: it "
+                                 "evaluates on held-out samples of its own")
+        return self.val_batches.ids
 
     def _record_eval(self) -> dict:
         result = self.evaluate()
@@ -1062,11 +1078,11 @@ def _upgraded_config(config: dict) -> dict:
     checkpoints did not record (their models had DecoderConfig's defaults there) with
     those defaults; no mixed precision where none was recorded."""
     config = dict(config)
-    family = task_family(config.get("task")) if isinstance(config.get("task"), str) else None
+    task = REGISTRY.get(config["task"]) if isinstance(config.get("task"), str) else None
     for name in OPTIONAL_SETTINGS:
-        if family in TASK_SETTINGS and name not in TASK_SETTINGS[family]:
+        if task is not None and name not in task_settings(task):
             config[name] = None
-        elif family in TASK_SETTINGS and name in DECODER_SETTINGS:
+        elif task is not None and name in DECODER_SETTINGS:
             config.setdefault(name, OPTIONAL_SETTINGS[name])
     config.setdefault("text", None)
     config.setdefault("mixed_precision", None)
