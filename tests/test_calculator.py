@@ -1,6 +1,6 @@
 """tfcore.parallel.calculator without a browser: the fragment is self-contained and deterministic,
 its models are the book's, and bad presets are refused by name. The numbers the script
-computes are compared with plan() in chromium (tests/browser/test_calculator.py)."""
+computes are compared with plan() in chromium (tests/browser/test_calculator_page.py)."""
 from __future__ import annotations
 
 import re

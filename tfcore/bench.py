@@ -64,7 +64,7 @@ import sys
 import textwrap
 import time
 import tracemalloc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -104,8 +104,10 @@ def formula_flops(n_params: int, cfg: DecoderConfig, batch: int, seq: int) -> in
 def step_flops(cfg: DecoderConfig, batch: int, seq: int) -> int:
     """6 T (L (4 D^2 + 2 D F) + D V) + 12 L B S^2 D for the GPT-style decoder with the dense
     attention: the matmuls of a step, from the shapes (count_step_flops measures them);
-    models.sizes.step_flops for any config."""
-    return sizes.step_flops(cfg, batch, seq)
+    models.sizes.step_flops for any config (this is its dense attention without
+    recomputation, what the benchmark's configurations run)."""
+    return sizes.step_flops(replace(cfg, attention="dense", recompute="none"),
+                            batch, seq)
 
 
 def count_step_flops(model, ids, targets):

@@ -107,15 +107,19 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     parallelism), whole without. repeats_kv=False: attention keeps no repeated key/value
     heads (the ring repeats each arriving block for its products and drops it).
     """
+    # one device (tp = 1) divides nothing, so the sizes may be SymPy symbols (chapter 17)
+    split = (lambda n: n) if tp == 1 else (lambda n: n // tp)
     N, D = batch * seq, d_model
-    D_h, rows = D // n_heads, N // tp if sp else N          # rows: the norms' tokens
-    h = n_heads // tp
+    rows = split(N) if sp else N                          # the norms' tokens
+    h, F_ = split(n_heads), split(d_ff)                   # this rank's heads, columns
     g = (n_kv_heads or n_heads) if kv_local is None else kv_local
-    g = g if tp == 1 or kv_local is not None else g // tp
+    g = split(g) if kv_local is None else g               # its key/value heads
+    width = split(D)                                      # h D_h, its heads' width
+    kv_width = width if g == h else g * (D // n_heads)    # g D_h
     if recompute == "full":
         return rows * D * _itemsize(dtype)
     scores = batch * h * seq * seq
-    hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * d_ff // tp
+    hidden = {"gelu": 2, "relu": 1, "swiglu": 3}[mlp] * N * F_
     if attention == "tiled":          # the output is a view of the merged heads: lse only
         scores_kept, scores_masks = batch * h * seq, 0
     elif recompute == "selective":
@@ -123,15 +127,15 @@ def block_activation_bytes(batch, seq, d_model, n_heads, d_ff, mlp, rotary, drop
     else:
         scores_kept, scores_masks = scores, scores
     if g == h or not repeats_kv:   # the fused q, k, v output; rotary: new q and k (v a view)
-        qkv = N * (h + 2 * g) * D_h + (N * (h + g) * D_h if rotary else 0)
+        qkv = N * (width + 2 * kv_width) + (N * (width + kv_width) if rotary else 0)
     elif rotary:     # grouped: q a rotated copy, k and v repeated copies (the fused output
-        qkv = 3 * N * h * D_h                      # and the rotated k are not kept alive)
+        qkv = 3 * N * width                        # and the rotated k are not kept alive)
     else:            # q a view of the fused output; the repeated k and v
-        qkv = N * (h + 2 * g) * D_h + 2 * N * h * D_h
+        qkv = N * (width + 2 * kv_width) + 2 * N * width
     norms = 2 * rows * D + 2 * rows                       # xhat and 1/std of both norms
-    floats = norms + 2 * N * D + qkv + scores_kept + N * h * D_h + hidden
+    floats = norms + 2 * N * D + qkv + scores_kept + N * width + hidden
     bools = (scores_masks + 2 * rows * D if dropout else 0) + (
-        N * d_ff // tp if mlp == "relu" else 0)
+        N * F_ if mlp == "relu" else 0)
     return floats * _itemsize(dtype) + bools * BOOL_BYTES
 
 

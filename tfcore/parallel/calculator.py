@@ -38,7 +38,7 @@ The schedule is computed in the browser, not embedded: the form takes any p, m a
 a rank's schedule is a few lines (one loop per schedule). Byte counts are BigInt, so every
 one is exact however large. The global batch is dp x micro-batches x rows, which every
 layout divides. The layout has no ring (cp = 1), no gradient buckets, no clipping and the
-ring algorithm. tests/browser/test_calculator.py runs the script in chromium over a grid of
+ring algorithm. tests/browser/test_calculator_page.py runs the script in chromium over a grid of
 models and layouts and compares every number with plan(). It sits beside plan in parallel
 (it draws nothing: tfcore.viz holds the matplotlib figures).
 """
