@@ -20,6 +20,7 @@ forward and backward out below (AutoencoderTask.step says why).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -124,8 +125,6 @@ class TextTask(Task):
         return cfg.seq_len
 
     def data(self, cfg) -> TaskData:
-        import hashlib
-
         sha256 = None
         if cfg.task == FILE_TASK:
             try:

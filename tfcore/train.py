@@ -437,7 +437,9 @@ def _step_seed(seed: int, step: int, stream: int) -> int:
 
 
 class Trainer:
-    """A model, its optimizer, its data and the step count, with save / load.
+    """A model, its optimizer, its data and the step count, with save / load. Its `task`
+    (tfcore.tasks.REGISTRY[config.task]) gives the data, the model, the step and the
+    evaluation; the loop, the log and the checkpoints are the same for every task.
 
     history: {'step', 'loss', 'lr', 'grad_norm', 'tokens_per_s'} per step and
     {'eval_step', 'val_loss', 'val_accuracy'} per evaluation (accuracy: digit tasks'
