@@ -25,6 +25,7 @@ JavaScript function for each closed form it mirrors:
     localElements, units       volume.local_shape, unit_elements, local_parameters
     zeroMemory, zeroCalls      volume.zero_memory, zero_collectives (K micro-batches)
     spanCalls                  volume.span_collectives (one chunk's forward and backward)
+    blockBytes                 models.sizes.block_activation_bytes (one block, any rank)
     activationBytes            models.sizes.decoder_sizes' activation_bytes (one device)
     rankActivationBytes        volume.rank_activation_bytes (a span of the parallel decoder)
     makeSchedule               pipeline.make_schedule (one rank's operations)
@@ -353,58 +354,48 @@ function spanCalls(m, b, S, sp, n, first, last, recompute) {
 // the hidden layers an MLP keeps, in units of [N, F] (sizes.block_activation_bytes)
 const HIDDEN = { gelu: 2, relu: 1, swiglu: 3 };
 
-// models.sizes.decoder_sizes(config with dtype, b, S)["activation_bytes"], f bytes a float
-function activationBytes(m, b, S, f, recompute) {
-  const N = b * S, D = B(m.D), F = B(m.F), H = B(m.H);
-  let block;
-  if (recompute === "full") {
-    block = N * D * f;                                // only the block's input
-  } else {
-    const scores = b * H * S * S;
-    const hidden = B(HIDDEN[m.mlp]) * N * F;
-    let kept = scores, masks = scores;
-    if (m.attention === "tiled") { kept = b * H * S; masks = 0n; }
-    else if (recompute === "selective") { kept = 0n; masks = 0n; }
-    let floats = 8n * N * D + 2n * N + (m.rotary ? 2n * N * D : 0n) + kept + hidden;
-    if (m.Hkv !== m.H) floats += m.rotary ? -2n * N * D : 2n * N * (D / H * B(m.Hkv));
-    const bools = (m.dropout ? masks + 2n * N * D : 0n) + (m.mlp === "relu" ? N * F : 0n);
-    block = floats * f + bools;
-  }
-  const final = (m.pre ? 2n * N * D + N : N * D) * f + (m.dropout ? N * D : 0n);
-  const loss = N * B(m.V) * f + 8n * N + N;           // probabilities, int64 labels, mask
-  return B(m.L) * block + final + loss;
-}
-
-// volume.rank_activation_bytes(config, b, S, tp, t, sp, n, first, last): a span of n blocks
-// of the parallel decoder on rank t, one micro-batch of b rows (models.sizes.
-// block_activation_bytes for its heads, key/value heads and columns; the norms on N / tp
-// rows under sp; when first the embedding's index and mask, when last the head's input,
-// the cross-entropy's probabilities [N, V_t] with its index and two masks)
-function rankActivationBytes(m, b, S, f, recompute, tp, t, sp, n, first, last) {
+// models.sizes.block_activation_bytes: one block's caches on tensor-parallel rank t, one
+// micro-batch of b rows (its heads, key/value heads and columns; the norms on N / tp rows
+// under sp); tp = 1 is one device's block
+function blockBytes(m, b, S, f, recompute, tp, t, sp) {
   const N = b * S, D = B(m.D), Dh = B(m.Dh), F = B(m.F) / B(tp);
   const rows = sp ? N / B(tp) : N;
   const h = B(m.H / tp), [k0, k1] = kvHeads(m, tp, t), g = B(k1 - k0);
-  let block;
-  if (recompute === "full") {
-    block = rows * D * f;                             // only the block's input
-  } else {
-    const scores = b * h * S * S;
-    const hidden = B(HIDDEN[m.mlp]) * N * F;
-    let kept = scores, masks = scores;
-    if (m.attention === "tiled") { kept = b * h * S; masks = 0n; }
-    else if (recompute === "selective") { kept = 0n; masks = 0n; }
-    let qkv;                                          // the fused output, rotated, repeated
-    if (g === h) qkv = N * (h + 2n * g) * Dh + (m.rotary ? N * (h + g) * Dh : 0n);
-    else if (m.rotary) qkv = 3n * N * h * Dh;
-    else qkv = N * (h + 2n * g) * Dh + 2n * N * h * Dh;
-    const floats = 2n * rows * D + 2n * rows + 2n * N * D + qkv + kept + N * h * Dh + hidden;
-    const bools = (m.dropout ? masks + 2n * rows * D : 0n) + (m.mlp === "relu" ? N * F : 0n);
-    block = floats * f + bools;
-  }
+  if (recompute === "full") return rows * D * f;      // only the block's input
+  const scores = b * h * S * S;
+  const hidden = B(HIDDEN[m.mlp]) * N * F;
+  let kept = scores, masks = scores;
+  if (m.attention === "tiled") { kept = b * h * S; masks = 0n; }
+  else if (recompute === "selective") { kept = 0n; masks = 0n; }
+  let qkv;                                            // the fused output, rotated, repeated
+  if (g === h) qkv = N * (h + 2n * g) * Dh + (m.rotary ? N * (h + g) * Dh : 0n);
+  else if (m.rotary) qkv = 3n * N * h * Dh;
+  else qkv = N * (h + 2n * g) * Dh + 2n * N * h * Dh;
+  const floats = 2n * rows * D + 2n * rows + 2n * N * D + qkv + kept + N * h * Dh + hidden;
+  const bools = (m.dropout ? masks + 2n * rows * D : 0n) + (m.mlp === "relu" ? N * F : 0n);
+  return floats * f + bools;
+}
+
+// models.sizes.decoder_sizes(config with dtype, b, S)["activation_bytes"], f bytes a float
+function activationBytes(m, b, S, f, recompute) {
+  const N = b * S, D = B(m.D);
+  const final = (m.pre ? 2n * N * D + N : N * D) * f + (m.dropout ? N * D : 0n);
+  const loss = N * B(m.V) * f + 8n * N + N;           // probabilities, int64 labels, mask
+  return B(m.L) * blockBytes(m, b, S, f, recompute, 1, 0, false) + final + loss;
+}
+
+// volume.rank_activation_bytes(config, b, S, tp, t, sp, n, first, last): a span of n blocks
+// of the parallel decoder on rank t, one micro-batch of b rows (blockBytes; when first the
+// embedding's index and mask, when last the head's input, the cross-entropy's
+// probabilities [N, V_t] with its index and two masks)
+function rankActivationBytes(m, b, S, f, recompute, tp, t, sp, n, first, last) {
+  const N = b * S, D = B(m.D);
+  const rows = sp ? N / B(tp) : N;
   const embedding = 9n * N + (m.dropout ? rows * D : 0n);  // int64 index, bool mask; dropout
   const head = (m.pre ? (rows * D + rows) * f : 0n) + N * D * f
     + N * chunk(B(m.V), tp, t) * f + 10n * N;         // int64 index, two bool masks
-  return B(n) * block + (first ? embedding : 0n) + (last ? head : 0n);
+  return B(n) * blockBytes(m, b, S, f, recompute, tp, t, sp)
+    + (first ? embedding : 0n) + (last ? head : 0n);
 }
 
 // pipeline.make_schedule(name, p, m, v)[r]: rank r's operations [op, micro-batch, chunk]
