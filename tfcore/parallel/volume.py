@@ -392,9 +392,9 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     gradient = zero_collectives(config, tp, t, data, zero, K,
                                                 sum(local.values()))
                     if bucket_bytes is not None and data > 1:    # all-reduced in buckets
-                        gradient = [("all_reduce", sum(local[n] for n in names))
-                                    for names in pack_buckets(list(local.items()), itemsize,
-                                                              bucket_bytes)
+                        gradient = [("all_reduce", sum(local[n] for n in bucket))
+                                    for bucket in pack_buckets(list(local.items()), itemsize,
+                                                               bucket_bytes)
                                     ] + [call for call in gradient if call[0] == "all_gather"]
                     for (op, M), times in Counter(gradient).items():
                         add(data_name, op, M, data, d * C + c, times=times)
