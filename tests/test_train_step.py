@@ -150,7 +150,7 @@ def test_the_command_line_sets_every_kind_of_model_field(tmp_path, capsys):
     (["--norm-eps", "0"], "--norm-eps"),
     (["--n-experts", "2", "--top-k", "3"], "--top-k"),
     (["--recompute", "selective", "--attention", "tiled"], "--recompute"),
-    (["--n-experts", "2", "--dp", "2"], "--n-experts"),
+    (["--n-experts", "2", "--dp", "2", "--micro-batches", "2"], "--n-experts"),
     (["--task", "autoencoder", "--attention", "tiled"], "--attention"),
     (["--mixed-precision", "fp16", "--dp", "2"], "--mixed-precision"),
     (["--mixed-precision", "bf16", "--dtype", "float64"], "--mixed-precision"),

@@ -182,6 +182,7 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     cp: int | None = None
+    ep: int = 1                   # expert parallelism: an MoE model's experts over ep dp ranks
     zero: int = 0
     sp: bool = False
     micro_batches: int = 1
@@ -348,7 +349,7 @@ class TrainConfig:
         """The run's tfcore.parallel.Layout (its fields' own checks, ConfigError naming it)."""
         from .parallel.layout import SCHEDULES, Layout
 
-        for name in ("dp", "tp", "micro_batches", "virtual"):
+        for name in ("dp", "tp", "ep", "micro_batches", "virtual"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
@@ -363,7 +364,8 @@ class TrainConfig:
             raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}, got "
                               f"{self.schedule!r}")
         return Layout(dp=int(self.dp), tp=int(self.tp), cp=None if self.cp is None
-                      else int(self.cp), zero=int(self.zero), sp=bool(self.sp),
+                      else int(self.cp), ep=int(self.ep), zero=int(self.zero),
+                      sp=bool(self.sp),
                       micro_batches=int(self.micro_batches),
                       pp=None if self.pp is None else int(self.pp),
                       virtual=int(self.virtual), schedule=self.schedule,
@@ -373,7 +375,8 @@ class TrainConfig:
 def parallel_field(config: TrainConfig) -> str:
     """The first layout degree above 1 (dp, tp, pp, cp): the flag a wrong number of ranks
     is reported on."""
-    return next((f for f in ("dp", "tp", "pp", "cp") if (getattr(config, f) or 1) > 1), "dp")
+    return next((f for f in ("dp", "tp", "pp", "cp", "ep") if (getattr(config, f) or 1) > 1),
+                "dp")
 
 
 def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
@@ -394,7 +397,7 @@ def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
 # Fields that may differ between a checkpoint and the run that resumes it: they change
 # where files go and how often we look, or the layout (whose runs equal one device's to
 # rounding), never the trajectory of the parameters.
-LAYOUT_FIELDS = ("dp", "tp", "cp", "zero", "sp", "micro_batches", "pp", "virtual",
+LAYOUT_FIELDS = ("dp", "tp", "cp", "ep", "zero", "sp", "micro_batches", "pp", "virtual",
                  "schedule")
 FREE_FIELDS = ("out_dir", "eval_interval", "eval_batches", "checkpoint_interval", "progress",
                *LAYOUT_FIELDS)
@@ -580,13 +583,13 @@ class Trainer:
     def plan(self):
         """tfcore.parallel.plan of this run's model and layout on its batch [B, S] (its
         memory per rank, bytes per step per rank), or None for a task that is not the
-        decoder's, or a model plan() does not price on one device (the layouts refuse
-        a mixture of experts: the one device trains it, unpriced)."""
+        decoder's, or a mixture of experts (trained, not priced: its all-to-all bytes
+        depend on the routing)."""
         from .parallel import plan
         from .parallel.layout import LayoutError
 
-        if not self.task.decoder:
-            return None
+        if not self.task.decoder or self.model_config.n_experts:
+            return None             # plan() prices dense decoders (an MoE's bytes: routing)
         try:
             return plan(self.model_config, self.layout, batch=self.config.batch_size,
                         seq=self.model_config.max_seq_len, dtype=self.config.dtype)

@@ -466,47 +466,64 @@ class BalanceCache(NamedTuple):
     xp: object
 
 
-def _balance_forward(name_probs, probs, experts, coef, ndim):
+def _balance_forward(name_probs, probs, experts, coef, ndim, load=None, n_tokens=None,
+                     n_sequences=None):
     xp = checks.float_inputs(probs=probs)
     checks.ndim(name_probs, probs, ndim)
     n_experts = checks.width(name_probs, probs, "N_E")
     checks.array("experts", experts)
     checks.ndim("experts", experts, ndim)
     _check_experts("experts", experts, tuple(probs.shape[:-1]) + (None,), n_experts)
-    checks.width("experts", experts, "K")
+    top_k = checks.width("experts", experts, "K")
     checks.same_library(probs=probs, experts=experts)
     coef = checks.nonnegative("coef", coef)
     tokens = probs.shape[-2]
     sequences = probs.shape[0] if ndim == 3 else 1
+    if n_tokens is not None:                      # a part of the batch: the whole one's T
+        tokens = checks.integer("n_tokens", n_tokens, least=tokens)
+    if n_sequences is not None:
+        sequences = checks.integer("n_sequences", n_sequences, least=sequences)
     if tokens == 0 or sequences == 0:
         f = xp.zeros(tuple(probs.shape[:-2]) + (n_experts,), dtype=probs.dtype)
         return xp.zeros((), dtype=probs.dtype), BalanceCache(f, 0.0, tuple(probs.shape),
                                                               probs.dtype, xp)
-    f = _fractions(experts, n_experts, probs.dtype)                     # [..., N_E]
-    P = xp.mean(probs, axis=-2)                                         # [..., N_E]
+    if load is None:
+        f = _fractions(experts, n_experts, probs.dtype)                 # [..., N_E]
+    else:                                         # the whole batch's assignments
+        checks.shape("load", load, (n_experts,))
+        f = xp.astype(xp.asarray(load), probs.dtype) / (tokens * top_k)     # [N_E]
+    P = xp.sum(probs, axis=-2) / tokens           # [..., N_E] (this part's share)
     loss = coef * n_experts * xp.sum(f * P) / sequences
     scale = coef * n_experts / (tokens * sequences)
     return loss, BalanceCache(f, scale, tuple(probs.shape), probs.dtype, xp)
 
 
-def load_balancing_loss_forward(probs, experts, coef: float = 1.0):
+def load_balancing_loss_forward(probs, experts, coef: float = 1.0, *, load=None,
+                                n_tokens: int | None = None):
     """Switch / GShard: L = coef N_E sum_i f_i P_i over all T tokens.
 
     probs [T, N_E] the router probabilities, experts [T, K] the selection, coef (alpha) >= 0
     ->  L [] (0-d). f_i = (assignments to i) / (T K) carries no gradient; balance gives
     f_i = P_i = 1/N_E and L = coef; collapse onto one expert with probability 1, L = coef N_E.
+
+    A part of a batch spread over ranks passes the whole batch's load [N_E] (assignments
+    to each expert) and token count n_tokens: it then returns its share, coef N_E sum_i f_i
+    (1/T) sum_{t here} p_{t,i}, and the shares of the parts sum to the whole batch's L.
     """
-    return _balance_forward("probs", probs, experts, coef, 2)
+    return _balance_forward("probs", probs, experts, coef, 2, load, n_tokens)
 
 
-def sequence_balancing_loss_forward(probs, experts, coef: float = 1.0):
+def sequence_balancing_loss_forward(probs, experts, coef: float = 1.0, *,
+                                    n_sequences: int | None = None):
     """DeepSeek's sequence-wise variant: the Switch loss of each sequence, averaged.
 
     probs [B, S, N_E], experts [B, S, K]  ->  L = coef N_E (1/B) sum_b sum_i f_{b,i} P_{b,i}
     with f_{b,i} and P_{b,i} taken over the S tokens of sequence b. (DeepSeek-V3 writes
     f_i = N_E / (K S) count_i, which puts the factor N_E inside f: the same value.)
+    Whole sequences of a batch spread over ranks: n_sequences the whole batch's B, and the
+    shares of the parts sum to the whole batch's L.
     """
-    return _balance_forward("probs", probs, experts, coef, 3)
+    return _balance_forward("probs", probs, experts, coef, 3, n_sequences=n_sequences)
 
 
 def load_balancing_loss_backward(dloss, cache: BalanceCache):
@@ -530,27 +547,34 @@ class ZLossCache(NamedTuple):
     shape: tuple
     dtype: object
     xp: object
+    divisor: int        # the mean's T (the whole batch's for a part of it)
 
 
-def router_z_loss_forward(logits, coef: float = 1.0):
+def router_z_loss_forward(logits, coef: float = 1.0, *, n_tokens: int | None = None):
     """ST-MoE's z-loss: L = coef mean_t (log sum_i exp z[t, i])^2.
 
     logits [T, N_E]  ->  L [] (0 for T = 0); the cache keeps lse [T, 1] and softmax(z).
+    A part of a batch spread over ranks passes the whole batch's token count n_tokens (the
+    mean's divisor): the parts' shares then sum to the whole batch's L.
     """
     xp = checks.float_inputs(logits=logits)
     checks.ndim("logits", logits, 2)
     checks.width("logits", logits, "N_E")
     coef = checks.nonnegative("coef", coef)
     tokens = logits.shape[0]
-    if tokens == 0:
+    if n_tokens is not None:
+        n_tokens = checks.integer("n_tokens", n_tokens, least=tokens)
+    if tokens == 0 or n_tokens == 0:
         return xp.zeros((), dtype=logits.dtype), ZLossCache(
-            None, None, coef, tuple(logits.shape), logits.dtype, xp)
+            None, None, coef, tuple(logits.shape), logits.dtype, xp, 0)
+    divisor = tokens if n_tokens is None else n_tokens
     m = xp.max(logits, axis=-1, keepdims=True)
     e = xp.exp(logits - m)
     total = xp.sum(e, axis=-1, keepdims=True)
     lse = m + xp.log(total)                                             # [T, 1]
-    loss = coef * xp.sum(lse * lse) / tokens
-    return loss, ZLossCache(lse, e / total, coef, tuple(logits.shape), logits.dtype, xp)
+    loss = coef * xp.sum(lse * lse) / divisor
+    return loss, ZLossCache(lse, e / total, coef, tuple(logits.shape), logits.dtype, xp,
+                            divisor)
 
 
 def router_z_loss_backward(dloss, cache: ZLossCache):
@@ -559,7 +583,7 @@ def router_z_loss_backward(dloss, cache: ZLossCache):
     c = cache
     if c.lse is None:
         return c.xp.zeros(c.shape, dtype=c.dtype)
-    return (2.0 * d * c.coef / c.shape[0]) * c.lse * c.p
+    return (2.0 * d * c.coef / c.divisor) * c.lse * c.p
 
 
 def expert_bias_update(bias, load, rate: float):

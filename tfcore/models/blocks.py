@@ -382,7 +382,7 @@ def _ffn_forward(params, prefix, x, spec, *, rng=None, training=False, parts=ONE
     (prefix.moe) when spec.moe is set. x [B, S, D] -> out [B, S, D]."""
     if spec.moe is not None:
         return moe_sublayer_forward(params, prefix + ".moe", x, spec, rng=rng,
-                                    training=training)
+                                    training=training, groups=parts.expert_groups)
     return mlp_sublayer_forward(params, prefix + ".mlp", x, spec, rng=rng, training=training,
                                 parts=parts)
 

@@ -558,8 +558,9 @@ class DecoderLM:
             if spec.moe is not None:
                 m = c.ffn                                                 # the MoECache
                 aux = m.aux_loss if aux is None else aux + m.aux_loss
-                self.moe_stats[i] = dict(load=m.plan.load, kept_load=m.plan.kept_load,
-                                         capacity=m.plan.capacity, aux_loss=m.aux_loss)
+                self.moe_stats[i] = dict(load=m.routing["load"],
+                                         kept_load=m.routing["kept_load"],
+                                         capacity=m.routing["capacity"], aux_loss=m.aux_loss)
             if full:                         # the backward runs the block again from x_in
                 c = ("recompute", x_in, replay, ctx)
             c_blocks.append(LayerCache(i, c))

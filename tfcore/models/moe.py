@@ -84,6 +84,19 @@ def moe_param_shapes(prefix: str, spec, moe: MoESpec) -> dict[str, tuple[int, ..
     return shapes
 
 
+class ExpertGroups(NamedTuple):
+    """Where an MoE sublayer's tokens and experts are, under a parallel layout.
+
+    tokens: the group whose ranks hold the batch's tokens in order (the data-parallel
+    group): capacity, drops and the auxiliary losses' statistics span it, as they span one
+    device's batch. ep: the expert-parallel group, a block of consecutive ranks of tokens
+    (tfcore.parallel.experts.expert_parallel_group), over which the experts are sharded
+    and the tokens sent with all-to-alls (size 1: every rank holds every expert)."""
+
+    tokens: object
+    ep: object
+
+
 class MoECache(NamedTuple):
     """What the MoE sublayer's backward needs, and what the model reads from its forward."""
 
@@ -98,8 +111,9 @@ class MoECache(NamedTuple):
     c_drop: tuple
     x_shape: tuple              # (B, S, D)
     aux_loss: object            # [] alpha * balancing loss + beta * z-loss (0 if both off)
-    plan: M.DispatchPlan        # the routing's counts (load, kept_load) for monitoring
+    routing: dict               # load, kept_load [N_E] and capacity of the whole batch
     experts: object             # [T, K] the selection
+    groups: ExpertGroups | None
 
 
 def _shared_forward(params, prefix, rows, spec):
@@ -133,9 +147,70 @@ def _param(params, name):
     return params[name] if name in params else None
 
 
-def moe_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
+def _dispatch(rows, routed, moe, groups):
+    """-> (xe [N_E or E_l, C, D], c_dispatch, plan, routing): one device's dispatch, or the
+    expert-parallel one (tfcore.parallel.experts) over groups."""
+    xp = namespace(rows)
+    if groups is None:
+        plan = M.moe_plan(routed.experts, moe.n_experts, moe.capacity_factor)
+        xe, c_dispatch = M.moe_dispatch_forward(rows, plan)
+        return xe, c_dispatch, plan, dict(load=plan.load, kept_load=plan.kept_load,
+                                          capacity=plan.capacity, tokens=plan.n_tokens)
+    from ..parallel import experts as EP          # the layer above: imported when used
+
+    plan = EP.ep_plan(routed.experts, groups.ep, moe.n_experts, moe.capacity_factor,
+                      tokens=groups.tokens)
+    xe, c_dispatch = EP.ep_dispatch_forward(rows, plan)
+    load, kept = plan.load.sum(axis=0), plan.kept.sum(axis=0)             # [N_E] host
+    capacity = plan.capacity if moe.capacity_factor is not None else int(load.max())
+    return xe, c_dispatch, plan, dict(load=xp.asarray(load), kept_load=xp.asarray(kept),
+                                      capacity=capacity, tokens=int(load.sum()) // moe.top_k)
+
+
+def _combine(ye, gates, plan, groups):
+    if groups is None:
+        return M.moe_combine_forward(ye, gates, plan)
+    from ..parallel import experts as EP
+
+    return EP.ep_combine_forward(ye, gates, plan)
+
+
+def _aux_losses(z, routed, moe, shape, routing, groups):
+    """alpha times the balancing loss plus beta times the z-loss -> (aux [], c_balance, c_z).
+    Under a layout each rank computes its share with the whole batch's statistics (load,
+    token and sequence counts) and the value is summed over the token group; the backward
+    needs only the share's gradient, which the data-parallel sum of the router's gradient
+    completes."""
+    xp = namespace(z)
+    batch, seq, _ = shape
+    whole = {} if groups is None else dict(n_tokens=routing["tokens"])
+    aux = xp.zeros((), dtype=z.dtype)
+    c_balance = c_z = None
+    if moe.aux_loss_coef:
+        if moe.balance == "sequence":
+            probs = xp.reshape(routed.probs, (batch, seq, moe.n_experts))
+            chosen = xp.reshape(routed.experts, (batch, seq, moe.top_k))
+            n_seq = {} if groups is None else dict(n_sequences=whole["n_tokens"] // seq)
+            balance, c_balance = M.sequence_balancing_loss_forward(probs, chosen,
+                                                                   moe.aux_loss_coef, **n_seq)
+        else:
+            load = {} if groups is None else dict(load=routing["load"])
+            balance, c_balance = M.load_balancing_loss_forward(
+                routed.probs, routed.experts, moe.aux_loss_coef, **load, **whole)
+        aux = aux + balance
+    if moe.z_loss_coef:
+        zl, c_z = M.router_z_loss_forward(z, moe.z_loss_coef, **whole)
+        aux = aux + zl
+    if groups is not None and groups.tokens.size > 1 and (c_balance is not None
+                                                          or c_z is not None):
+        aux = groups.tokens.all_reduce(xp.reshape(aux, (1,)))[0]         # the whole batch's
+    return aux, c_balance, c_z
+
+
+def moe_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False, groups=None):
     """x [B, S, D] -> out [B, S, D] (see the module docstring); the cache is an MoECache
-    whose aux_loss the model adds to its loss."""
+    whose aux_loss the model adds to its loss. groups: None on one device; under a layout
+    the ExpertGroups of this rank (params then hold its experts, E_l = N_E / ep of them)."""
     moe = spec.moe
     xp = namespace(x)
     batch, seq, width = x.shape
@@ -143,39 +218,24 @@ def moe_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False):
     z, c_lin = nn.linear_forward(params, prefix + ".router", rows)      # [T, N_E]
     routed, c_router = M.router_forward(z, moe.top_k, moe.router, moe.normalize,
                                         _param(params, prefix + ".select.b"))
-    plan = M.moe_plan(routed.experts, moe.n_experts, moe.capacity_factor)
-    xe, c_dispatch = M.moe_dispatch_forward(rows, plan)                 # [N_E, C, D]
+    xe, c_dispatch, plan, routing = _dispatch(rows, routed, moe, groups)   # [N_E, C, D]
     e = prefix + ".experts"
     ye, c_experts = M.expert_mlp_forward(
         xe, params[e + ".fc.W"], _param(params, e + ".fc.b"), params[e + ".proj.W"],
         _param(params, e + ".proj.b"), spec.mlp, _param(params, e + ".gate.W"),
         _param(params, e + ".gate.b"), spec.gelu_approximate)          # [N_E, C, D]
-    y, c_combine = M.moe_combine_forward(ye, routed.gates, plan)        # [T, D]
+    y, c_combine = _combine(ye, routed.gates, plan, groups)             # [T, D]
     c_shared = None
     if moe.n_shared:
         shared, c_shared = _shared_forward(params, prefix + ".shared", rows, spec)
         y = y + shared
-    aux = xp.zeros((), dtype=x.dtype)
-    c_balance = c_z = None
-    if moe.aux_loss_coef:
-        if moe.balance == "sequence":
-            probs = xp.reshape(routed.probs, (batch, seq, moe.n_experts))
-            chosen = xp.reshape(routed.experts, (batch, seq, moe.top_k))
-            balance, c_balance = M.sequence_balancing_loss_forward(probs, chosen,
-                                                                   moe.aux_loss_coef)
-        else:
-            balance, c_balance = M.load_balancing_loss_forward(routed.probs, routed.experts,
-                                                               moe.aux_loss_coef)
-        aux = aux + balance
-    if moe.z_loss_coef:
-        zl, c_z = M.router_z_loss_forward(z, moe.z_loss_coef)
-        aux = aux + zl
+    aux, c_balance, c_z = _aux_losses(z, routed, moe, x.shape, routing, groups)
     out = xp.reshape(y, (batch, seq, width))
     out, c_drop = ops.dropout_forward(out, spec.dropout, rng, training,  # [B, S, D]
                                       trusted=True)
     return out, MoECache(c_lin, c_router, c_dispatch, c_experts, c_combine, c_shared,
-                         c_balance, c_z, c_drop, (batch, seq, width), aux, plan,
-                         routed.experts)
+                         c_balance, c_z, c_drop, (batch, seq, width), aux, routing,
+                         routed.experts, groups)
 
 
 def moe_sublayer_backward(params, prefix, dout, cache: MoECache, spec):
@@ -191,7 +251,12 @@ def moe_sublayer_backward(params, prefix, dout, cache: MoECache, spec):
     dx = None
     if c.c_shared is not None:
         dx = _shared_backward(params, prefix + ".shared", dy, c.c_shared, spec)
-    dye, dgates = M.moe_combine_backward(dy, c.c_combine)
+    if c.groups is None:
+        dye, dgates = M.moe_combine_backward(dy, c.c_combine)
+    else:
+        from ..parallel import experts as EP
+
+        dye, dgates = EP.ep_combine_backward(dy, c.c_combine)
     e = prefix + ".experts"
     dxe, dW_fc, db_fc, dW_proj, db_proj, dW_gate, db_gate = M.expert_mlp_backward(
         dye, c.c_experts)
@@ -199,7 +264,8 @@ def moe_sublayer_backward(params, prefix, dout, cache: MoECache, spec):
                        ("proj.b", db_proj), ("gate.W", dW_gate), ("gate.b", db_gate)):
         if grad is not None:
             nn.accumulate(params, f"{e}.{name}", grad)
-    drows = M.moe_dispatch_backward(dxe, c.c_dispatch)                  # [T, D]
+    drows = (M.moe_dispatch_backward(dxe, c.c_dispatch) if c.groups is None
+             else EP.ep_dispatch_backward(dxe, c.c_dispatch))            # [T, D]
     dx = drows if dx is None else dx + drows
     dprobs = None
     if c.c_balance is not None:

@@ -23,6 +23,9 @@ happens, they call a *part* instead of an op, and a parallel layout hands them o
                                                                  summed over dp and cp
     reduce_grads(params, names)   nothing                        sum over tp what each rank
                                                                  computed from its share
+    expert_groups                 None: every expert, every      the token (dp) group and
+                                  token here                     the expert-parallel group
+                                                                 (models/moe.ExpertGroups)
 
 A part's forward returns (out, cache) and its backward takes (dout, cache), as every op pair.
 The one-device parts are the ops the book proves, through tfcore.ops (a kernel where one
@@ -90,6 +93,7 @@ class OneDevice:
     tp_size = 1
     ring = False                      # attention is the local dense or tiled op
     grads_final_per_unit = True       # no sum over ranks after the whole backward
+    expert_groups = None              # MoE: every expert here, the batch's tokens here
 
     def block_spec(self, spec):
         """The block spec this rank runs (its heads under tensor parallelism)."""

@@ -98,6 +98,9 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
                     "c_k / T_c; default 1)")
     ap.add_argument("--cp", type=int, default=None,
                     help="context-parallel degree: the sequence split over every rank")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree: an MoE config's experts over blocks of ep "
+                    "data-parallel ranks (it divides dp; adds no ranks)")
     ap.add_argument("--layers", type=int, default=None,
                     help="number of blocks, replacing the config's (the pipeline needs it "
                     "divisible by pp x virtual)")
@@ -134,7 +137,8 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
 
 
 # The command-line option of each field a refusal reads (Layout's, or the model config's).
-OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", zero="--zero", sp="--sp",
+OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", ep="--ep", zero="--zero",
+               sp="--sp",
                micro_batches="--micro-batches", virtual="--virtual", schedule="--schedule",
                balanced=None, clip="--clip", bucket_bytes="--bucket-bytes",
                algorithm="--algorithm", transport="--simulate", dropout="--dropout",
@@ -156,7 +160,8 @@ def refusals_text() -> str:
 
 def layout_of(args, dp: int | None = None) -> Layout:
     """The Layout of the arguments (dp: the data-parallel degree, when known)."""
-    return Layout(dp=dp or args.dp or 1, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero,
+    return Layout(dp=dp or args.dp or 1, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                  zero=args.zero,
                   sp=args.sp, micro_batches=microbatches(args) or 1,
                   virtual=args.virtual or 1, schedule=args.schedule, clip=args.clip,
                   bucket_bytes=args.bucket_bytes, algorithm=args.algorithm,
@@ -170,7 +175,8 @@ def _given(args, field) -> str | None:
         return f"--config {args.config}"
     value = {"transport": args.simulate, "micro_batches": args.micro_batches,
              "dropout": args.dropout or None}.get(field, getattr(args, field, None))
-    if value is None or value is False or (field in ("tp", "zero") and not value):
+    if value is None or value is False or (field in ("tp", "zero") and not value) or (
+            field == "ep" and value == 1):
         return None
     return option if value is True else f"{option} {value}"
 
@@ -186,12 +192,14 @@ def validate_layout(args, dp: int | None = None, world: int | None = None) -> La
         error = UsageError(f"{given}: {err}" if given else str(err))
         error.rule = err.rule            # the refusal of layout.REFUSALS it reports
         raise error from None
+    except ValueError as err:            # a size that does not fit (ep and dp, the world)
+        raise UsageError(str(err)) from None
 
 
 def parse(argv, quiet: bool = False) -> argparse.Namespace:
     """The arguments, checked: UsageError names the first bad one."""
     args = _parser(quiet).parse_args(argv)
-    for name in ("tp", "steps", "batch", "seq"):
+    for name in ("tp", "ep", "steps", "batch", "seq"):
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"--{name} must be a positive integer, got {value}")
@@ -367,6 +375,8 @@ def layout_line(args, world_size: int) -> str:
     else:
         line = (f"world {world_size} = tp {args.tp} x dp {dp}, "
                 f"sp={args.sp}, zero={args.zero}")
+    if args.ep > 1:
+        line += f", ep={args.ep} (experts over blocks of {args.ep} dp ranks)"
     if args.layers is not None:
         line += f", {args.layers} layers"
     if args.dropout:

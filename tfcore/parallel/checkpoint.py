@@ -73,7 +73,8 @@ def _gather(run, get):
     model = run.model
     if isinstance(model, PipelineStage):                 # over tp, then over the stages
         return gather_stages(model, run.mesh, get)
-    return np.asarray(backend.to_numpy(gather_tensors(model.config, model.tp, get)))
+    return np.asarray(backend.to_numpy(gather_tensors(model.config, model.tp, get,
+                                                      getattr(model, "ep", None))))
 
 
 def gather_state(run) -> dict:
@@ -102,7 +103,9 @@ def _local_from_full(model, full) -> np.ndarray:
     for name in _local_shapes(model):
         a, b, shape = offsets[name]
         pieces.append(np.reshape(shard_tensor(name, np.reshape(full[a:b], shape), config,
-                                              model.tp.size, model.tp.rank), (-1,)))
+                                              model.tp.size, model.tp.rank,
+                                              model.parts.ep_size, model.parts.ep_rank),
+                                 (-1,)))
     return np.concatenate(pieces)
 
 

@@ -73,9 +73,11 @@ class EPPlan(NamedTuple):
     n_local: int           # E_l = N_E / N
     top_k: int             # K
     n_tokens: int          # T_r, this rank's tokens
-    capacity: int          # C, the slots of each expert (as on one device)
-    load: np.ndarray       # [N, N_E] int64: assignments of rank i's tokens routed to e
-    kept: np.ndarray       # [N, N_E] int64: those that keep their place (dropless: = load)
+    capacity: int          # C, the slots of each expert (with a capacity factor the one
+                           # device's; dropless: the busiest expert's load in this block)
+    load: np.ndarray       # [N_tok, N_E] int64: assignments of token rank i's tokens to e
+    kept: np.ndarray       # [N_tok, N_E] int64: those that keep their place (dropless: =
+                           # load); N_tok = N unless a token group was given
     send_counts: tuple     # rows to each rank (dispatch)
     recv_counts: tuple     # rows from each rank
     send_flat: object      # [A_s] the assignments sent, as t K + k, expert-major
@@ -84,16 +86,27 @@ class EPPlan(NamedTuple):
     dest: object           # [A_r] the row e_local C + slot of each arriving row
 
 
-def ep_plan(experts, comm, n_experts: int, capacity_factor=None) -> EPPlan:
+def ep_plan(experts, comm, n_experts: int, capacity_factor=None, tokens=None) -> EPPlan:
     """The expert-parallel dispatch plan of this rank's routing (collective: every rank of
-    comm calls it).
+    comm, and of tokens when given, calls it).
 
     experts [T_r, K] integers in [0, N_E), distinct within a row (the router's selection);
     capacity_factor a finite number > 0, or None (dropless). One all_gather of the loads
     [N_E] int64 (counted) tells every rank the whole count matrix.
+
+    tokens: the group whose ranks hold the batch's tokens, in order (None: comm itself).
+    Under EP x DP comm is a block of consecutive ranks of it (expert_parallel_group of the
+    data-parallel group), the loads are gathered over tokens, and capacity and drops follow
+    the whole batch's token order, as on one device; each block of comm then sends only to
+    its own experts' replicas.
     """
     n_experts = checks.integer("n_experts", n_experts, least=1)
     n_local = _check_degree(n_experts, comm)
+    tokens = comm if tokens is None else tokens
+    if tokens.size % comm.size or (tokens.rank % comm.size) != comm.rank:
+        raise ValueError(f"the expert-parallel group (size {comm.size}, rank {comm.rank}) "
+                         f"must be a block of consecutive ranks of the token group (size "
+                         f"{tokens.size}, rank {tokens.rank})")
     checks.array("experts", experts)
     checks.ndim("experts", experts, 2)
     checks.integer_ids("experts", experts, n_experts)
@@ -107,28 +120,32 @@ def ep_plan(experts, comm, n_experts: int, capacity_factor=None) -> EPPlan:
                          f"got shape {tuple(chosen.shape)}")
     if n_tokens and np.any(np.diff(np.sort(chosen, axis=1), axis=1) == 0):
         raise ValueError("experts must name K distinct experts in each row")
-    if comm.check_calls and comm.size > 1:      # bookkeeping, not counted (as call headers)
-        comm.check_same(str(top_k), "the number of experts per token K")
+    if tokens.check_calls and tokens.size > 1:  # bookkeeping, not counted (as call headers)
+        tokens.check_same(str(top_k), "the number of experts per token K")
     flat_e = chosen.reshape(-1)                                         # [T_r K]
     mine = np.bincount(flat_e, minlength=n_experts).astype(np.int64)    # [N_E]
-    load = np.asarray(to_numpy(comm.all_gather(xp.asarray(mine[None, :]), axis=0)),
-                      dtype=np.int64)                                   # [N, N_E]
+    load = (mine[None, :] if tokens.size == 1 else
+            np.asarray(to_numpy(tokens.all_gather(xp.asarray(mine[None, :]), axis=0)),
+                       dtype=np.int64))                                 # [N_tok, N_E]
     total = int(load.sum())
-    if capacity_factor is None:
-        cap = int(load.sum(axis=0).max()) if total else 0
-    else:   # the one device's C = ceil(c T K / N_E), T its tokens (moe.capacity)
+    if capacity_factor is not None:     # the one device's C = ceil(c T K / N_E) (moe.capacity)
         cap = math.ceil(capacity_factor * (total // top_k) * top_k / n_experts)
-    before = np.cumsum(load, axis=0) - load                             # P [N, N_E]
-    kept = np.clip(cap - before, 0, load)                               # [N, N_E]
+    before = np.cumsum(load, axis=0) - load                             # P [N_tok, N_E]
+    kept = load if capacity_factor is None else np.clip(cap - before, 0, load)
+    g0 = tokens.rank - comm.rank                                        # this block's first
+    block = kept[g0:g0 + comm.size]                                     # [N, N_E]
+    if capacity_factor is None:         # dropless: the block's busiest expert
+        cap = int(block.sum(axis=0).max()) if block.size and block.sum() else 0
+    slot0 = np.cumsum(block, axis=0) - block                            # [N, N_E]
     r = comm.rank
     order = np.argsort(flat_e, kind="stable")                           # expert, then token
     start = np.concatenate([[0], np.cumsum(mine)[:-1]])                 # [N_E]
     rank_in_expert = np.arange(order.size) - start[flat_e[order]]
-    send_flat = order[rank_in_expert < kept[r, flat_e[order]]]          # [A_s]
+    send_flat = order[rank_in_expert < block[r, flat_e[order]]]         # [A_s]
     owner = np.arange(n_experts) // n_local
-    send_counts = tuple(int(kept[r, owner == j].sum()) for j in range(comm.size))
-    recv_counts = tuple(int(kept[i, owner == r].sum()) for i in range(comm.size))
-    dest = [e * cap + before[i, r * n_local + e] + np.arange(kept[i, r * n_local + e])
+    send_counts = tuple(int(block[r, owner == j].sum()) for j in range(comm.size))
+    recv_counts = tuple(int(block[i, owner == r].sum()) for i in range(comm.size))
+    dest = [e * cap + slot0[i, r * n_local + e] + np.arange(block[i, r * n_local + e])
             for i in range(comm.size) for e in range(n_local)]
     dest = np.concatenate(dest).astype(np.int64) if dest else np.zeros(0, np.int64)
     index = lambda a: xp.asarray(np.asarray(a, dtype=np.int64))          # noqa: E731

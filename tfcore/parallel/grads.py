@@ -262,16 +262,31 @@ def global_grad_norm(pieces) -> float:
 
 def tensor_parallel_mask(model):
     """bool [P_local]: True for the elements of this rank's flat buffer that belong to a
-    tensor-parallel shard, False for the replicated tensors (norms, wpe, row biases)."""
+    tensor-parallel shard, False for the replicated tensors (norms, wpe, row biases) and
+    the experts (whole on every tensor-parallel rank)."""
     from .model import shard_rule
 
     params = model.params
     mask = np.zeros(params.size, dtype=bool)
     if model.tp.size > 1:
         for name in params.names:
-            if shard_rule(name) != "replicated":
+            if shard_rule(name) not in ("replicated", "experts"):
                 a, b = params.offsets[name]
                 mask[a:b] = True
+    return backend.asarray(mask)
+
+
+def expert_mask(model):
+    """bool [P_local]: True for the elements of this rank's flat buffer that hold its
+    experts (an MoE model's moe.experts.* tensors)."""
+    from .model import shard_rule
+
+    params = model.params
+    mask = np.zeros(params.size, dtype=bool)
+    for name in params.names:
+        if shard_rule(name) == "experts":
+            a, b = params.offsets[name]
+            mask[a:b] = True
     return backend.asarray(mask)
 
 

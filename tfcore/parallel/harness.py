@@ -1,7 +1,7 @@
 """The checks' harness: small configs, random-token batches, and loops that train them on
 one device and at a layout from the same start, so the two compare number for number.
 
-    CONFIGS          tiny, tiny-llama, small: DecoderConfig factories, small enough for a
+    CONFIGS          tiny, tiny-llama, tiny-moe, small: DecoderConfig factories, small enough for a
                      test and big enough to split 4 ways (heads, d_ff) and unevenly (V)
     HYPER            the loops' AdamW settings
     make_batches     ids, targets [steps, B, S]: random tokens, a quarter of the targets
@@ -50,6 +50,11 @@ CONFIGS = {
                                   n_heads=4, d_ff=32, dtype="float64"),
     "tiny-llama": lambda: DecoderConfig.llama(vocab_size=29, max_seq_len=16, d_model=16,
                                               n_layers=2, n_heads=4, d_ff=24, dtype="float64"),
+    # a mixture of experts: 4 experts, top-2, capacity 1 (tokens drop), both auxiliary losses
+    "tiny-moe": lambda: DecoderConfig(vocab_size=31, max_seq_len=16, d_model=16, n_layers=2,
+                                      n_heads=4, d_ff=32, dtype="float64", n_experts=4,
+                                      top_k=2, d_expert=12, capacity_factor=1.0,
+                                      aux_loss_coef=0.05, z_loss_coef=0.01),
     "small": lambda: DecoderConfig(vocab_size=257, max_seq_len=64, d_model=128, n_layers=4,
                                    n_heads=8, d_ff=512, dtype="float64"),
 }
@@ -155,7 +160,8 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
                    dp: int | None = None, sequence_parallel: bool = False, zero=0,
                    seed: int = 0, hyper=None, gather: bool = True, micro_batches: int = 1,
                    clip: float | None = None, bucket_bytes: int | None = None,
-                   overlap: bool = True, cp: int | None = None, balanced: bool = True):
+                   overlap: bool = True, cp: int | None = None, balanced: bool = True,
+                   ep: int = 1):
     """Rank-local: run on every rank of `world`. The global batch [B, S] is split by rows over
     the dp ranks (and each sequence over the cp ranks of a ring). -> dict(losses, params
     (full, host), grads (full, of the last step, before the optimizer; None with ZeRO),
@@ -168,13 +174,14 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     device's on the whole batch); clip: max_norm of clipping by the global norm;
     bucket_bytes: all-reduce the gradient in buckets of at most that many bytes, started
     during the last micro-batch's backward (overlap=True) or after it (overlap=False).
-    exposed: the seconds of each step this rank spent waiting for the gradient all-reduce."""
+    exposed: the seconds of each step this rank spent waiting for the gradient all-reduce.
+    ep: an MoE model's expert-parallel degree (blocks of ep dp ranks share its experts)."""
     K, max_norm = _check_real_run(config, batch, micro_batches, clip, rows_of_the_batch=True)
     stage = int(zero)
     layout = Layout(tp=tp, dp=dp or world.size // (tp * (cp or 1)), sp=sequence_parallel,
                     zero=stage, micro_batches=K, clip=max_norm, bucket_bytes=bucket_bytes,
-                    cp=cp, balanced=balanced).validate(config)
-    mesh = Mesh(world, tp, dp, cp=cp)        # the sizes' own messages, before anything else
+                    cp=cp, balanced=balanced, ep=ep).validate(config)
+    mesh = Mesh(world, tp, dp, cp=cp, ep=ep)  # the sizes' own messages, before anything else
     layout.validate(config, world=world.size)
     dp_size = mesh.dp_size
     if batch % dp_size:
@@ -235,7 +242,7 @@ def train_layout(world, config: DecoderConfig, layout: Layout, steps: int, batch
                           sequence_parallel=layout.sp, zero=layout.zero, seed=seed,
                           hyper=hyper, gather=gather, micro_batches=layout.micro_batches,
                           clip=layout.clip, bucket_bytes=layout.bucket_bytes, cp=layout.cp,
-                          balanced=layout.balanced)
+                          balanced=layout.balanced, ep=layout.ep)
 
 
 def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,

@@ -5,7 +5,8 @@
 
 A Layout is a value: the degrees of every parallelism (dp, tp; pp and cp are None when the
 run has no pipeline or no ring, so that a pipeline or a ring of one rank is still that
-decoder), the ZeRO stage, sequence parallelism, micro-batches (with pp: the pipeline's;
+decoder), the ZeRO stage, the expert-parallel degree (blocks of the dp ranks that share out an MoE
+model's experts: it adds no ranks), sequence parallelism, micro-batches (with pp: the pipeline's;
 without: gradient accumulation), virtual stages per pipeline rank, the schedule, the
 balanced causal split of the ring, gradient clipping, the overlapped gradient buckets, the
 collective algorithm and the transport (simulated threads or MPI processes). Its fields are
@@ -71,6 +72,10 @@ def _dropout(c):
     return c is not None and c.dropout > 0
 
 
+def _moe(c):
+    return c is not None and c.n_experts > 0
+
+
 # The one support matrix: every combination refused, in the order validate tries them.
 REFUSALS: list[Refusal] = [
     Refusal("pipeline schedule without pipeline parallelism", ("schedule", "pp"),
@@ -115,13 +120,40 @@ REFUSALS: list[Refusal] = [
             lambda l, c: (c is not None and l.bucket_bytes is not None
                           and c.n_kv_heads < l.tp),
             "their gradients are summed over the sharing ranks only after the backward"),
+    Refusal("expert parallelism without experts", ("ep", "n_experts"),
+            lambda l, c: l.ep > 1 and c is not None and c.n_experts == 0,
+            "ep shards an MoE model's experts; give n_experts > 0 or ep 1"),
+    Refusal("mixture of experts with pipeline parallelism", ("n_experts", "pp"),
+            lambda l, c: _moe(c) and _pipe(l),
+            "each stage would route its micro-batches apart, and its blocks' auxiliary "
+            "losses would have to reach the last stage's loss"),
+    Refusal("mixture of experts with context parallelism", ("n_experts", "cp"),
+            lambda l, c: _moe(c) and _ctx(l),
+            "the ring holds a sequence's positions out of order, and capacity and the "
+            "balancing statistics follow the batch's token order"),
+    Refusal("mixture of experts with sequence parallelism", ("n_experts", "sp", "tp"),
+            lambda l, c: _moe(c) and l.sp and l.tp > 1,
+            "the experts route the whole sequences of a rank's rows, which sequence "
+            "parallelism splits over tp"),
+    Refusal("mixture of experts with ZeRO-2/3", ("n_experts", "zero"),
+            lambda l, c: _moe(c) and l.zero >= 2,
+            "ZeRO-2/3 shard every unit over dp, whose ranks route through the experts "
+            "together (use ZeRO 0 or 1)"),
+    Refusal("expert parallelism with ZeRO-1", ("n_experts", "ep", "zero"),
+            lambda l, c: _moe(c) and l.ep > 1 and l.zero == 1,
+            "ZeRO-1 splits the flat buffer over dp, whose ranks hold different experts"),
+    Refusal("expert parallelism with gradient buckets", ("n_experts", "ep", "bucket_bytes"),
+            lambda l, c: _moe(c) and l.ep > 1 and l.bucket_bytes is not None,
+            "the buckets all-reduce over dp, and the experts' gradients are summed over "
+            "the ranks holding the same experts"),
+    Refusal("mixture of experts with accumulation over data-parallel ranks",
+            ("n_experts", "micro_batches", "dp"),
+            lambda l, c: _moe(c) and l.micro_batches > 1 and l.dp > 1,
+            "a micro-batch would route each rank's rows k with the other ranks' rows k, "
+            "not one device's micro-batch k: give micro_batches 1, or dp 1"),
     Refusal("native collectives in a simulation", ("algorithm", "transport"),
             lambda l, c: l.algorithm == "native" and l.transport == "simulated",
             "native is MPI's own; simulate ring or naive"),
-    Refusal("mixture of experts in a parallel decoder", ("n_experts",),
-            lambda l, c: c is not None and c.n_experts > 0,
-            "the parallel parts shard dense blocks (expert parallelism is "
-            "tfcore.parallel.experts' layer, not yet a layout), so n_experts must be 0"),
 ]
 
 CONFIG_FIELDS = ("dropout", "n_kv_heads", "n_heads", "recompute", "n_experts", "attention")
@@ -141,6 +173,7 @@ class Layout:
     tp: int = 1
     pp: int | None = None               # pipeline stages; None: no pipeline
     cp: int | None = None               # context-parallel ranks; None: no ring
+    ep: int = 1                         # expert-parallel ranks (a block of dp's)
     zero: int = 0                       # ZeRO stage over dp
     sp: bool = False                    # sequence parallelism (with tp)
     micro_batches: int = 1              # with pp: the pipeline's m; else accumulation
@@ -153,7 +186,7 @@ class Layout:
     transport: str | None = None        # "simulated" | "mpi" | None (not known here)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "micro_batches", "virtual"):
+        for name in ("dp", "tp", "ep", "micro_batches", "virtual"):
             _positive_int(name, getattr(self, name))
         for name in ("pp", "cp", "bucket_bytes"):
             _positive_int(name, getattr(self, name), none_ok=True)
@@ -198,6 +231,14 @@ class Layout:
         rule = self.refusal(config)
         if rule is not None:
             raise LayoutError(rule.message(self, config), rule, self)
+        if self.dp % self.ep:
+            raise ValueError(f"the expert-parallel degree ep = {self.ep} must divide the "
+                             f"data-parallel degree dp = {self.dp}: the experts are sharded "
+                             "over blocks of data-parallel ranks")
+        if config is not None and config.n_experts and config.n_experts % self.ep:
+            raise ValueError(f"the number of experts N_E = {config.n_experts} must be "
+                             f"divisible by the expert-parallel degree ep = {self.ep} (each "
+                             f"rank holds N_E / ep of them)")
         if world is not None and self.world_size != world:
             raise ValueError(f"the layout {self.shape()} needs {self.world_size} ranks, but "
                              f"the world has {world}")
@@ -221,7 +262,8 @@ class Layout:
         parts.append(f"tp={self.tp}")
         if self.cp is not None:
             parts.append(f"cp={self.cp}")
-        return " x ".join(parts)
+        shape = " x ".join(parts)
+        return shape + (f" (ep={self.ep})" if self.ep > 1 else "")
 
 
 LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))

@@ -14,6 +14,11 @@ still innermost: w = (d * N_P + s) * N_T + t for the stage s in 0..N_P-1, and
     pp group of rank w: {(d * N_P + s') * N_T + t : s'}  (same d, t)  -- the stages in order
     tp group: same d and s;   dp group: same s and t (the same stage's shard, other data)
 
+Expert parallelism (ep = N_E_P, an MoE model's) shards the experts over blocks of N_E_P
+consecutive ranks of a dp group (N_E_P divides N_D): the ep group of rank w holds the dp
+indices d' with d' // N_E_P = d // N_E_P, and the edp group, the ranks holding the same
+experts, those with d' % N_E_P = d % N_E_P. It adds no ranks to the world.
+
 With a ring (cp = N_C, context parallelism) the mesh is 4-D, DP x PP x CP x TP:
 w = ((d * N_P + s) * N_C + c) * N_T + t. The cp group (same d, s, t) holds the chunks of one
 sequence; the data group (same s and t: dp x cp) is the group whose gradients are summed
@@ -28,8 +33,8 @@ from .layout import Layout
 
 class Mesh:
     def __init__(self, world, tp: int = 1, dp: int | None = None, pp: int = 1,
-                 cp: int | None = None):
-        for name, value in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp)):
+                 cp: int | None = None, ep: int = 1):
+        for name, value in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -67,6 +72,15 @@ class Mesh:
                    if ring else None)
         self.data = (world.split(color=s * tp + t, key=d * cp + c, name="data")
                      if ring else self.dp)
+        # expert parallelism: blocks of ep consecutive dp ranks share out the experts; the
+        # ranks at the same place of each block (edp) hold the same experts
+        if self.dp_size % ep:
+            raise ValueError(f"the expert-parallel degree ep = {ep} must divide the "
+                             f"data-parallel degree dp = {self.dp_size}: the experts are "
+                             "sharded over blocks of data-parallel ranks")
+        self.ep_size = ep
+        self.ep = self.dp.split(color=d // ep, key=d, name="ep") if ep > 1 else None
+        self.edp = self.dp.split(color=d % ep, key=d, name="edp") if ep > 1 else self.dp
 
     @classmethod
     def of(cls, world, layout: Layout, config=None) -> "Mesh":
@@ -75,7 +89,8 @@ class Mesh:
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
         layout.validate(config, world=world.size)
-        return cls(world, tp=layout.tp, dp=layout.dp, pp=layout.pp or 1, cp=layout.cp)
+        return cls(world, tp=layout.tp, dp=layout.dp, pp=layout.pp or 1, cp=layout.cp,
+                   ep=layout.ep)
 
     def __repr__(self):
         if self.pp_size > 1:

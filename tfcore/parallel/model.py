@@ -35,24 +35,26 @@ def check_layout(config: DecoderConfig, tp: int, seq_len: int | None = None,
     check_tensor_parallel(config, tp, seq_len, sequence_parallel)
 
 
-def gather_tensors(config: DecoderConfig, tp, get):
+def gather_tensors(config: DecoderConfig, tp, get, ep=None):
     """The one-device flat buffer [P] (config.param_shapes() order) from every tensor-parallel
-    rank's blocks, get(name) -> this rank's block of tensor `name` (collective over tp; every
-    rank gets it)."""
+    rank's blocks, get(name) -> this rank's block of tensor `name` (collective over tp, and
+    over ep, the expert-parallel group, for the experts; every rank gets it)."""
     xp = backend.xp()
     out = []
     for name in config.param_shapes():
         local = get(name)
-        if shard_rule(name) == "replicated":
+        rule = shard_rule(name)
+        group = ep if rule == "experts" else tp
+        if rule == "replicated" or group is None or group.size == 1 and rule == "experts":
             out.append(xp.reshape(local, (-1,)))
             continue
-        sizes = tp.all_gather_object(int(local.size))
-        shapes = tp.all_gather_object(tuple(local.shape))
+        sizes = group.all_gather_object(int(local.size))
+        shapes = group.all_gather_object(tuple(local.shape))
         bounds, start = [], 0
         for s in sizes:
             bounds.append((start, start + s))
             start += s
-        flat = tp.all_gather_flat(xp.reshape(local, (-1,)), bounds)
+        flat = group.all_gather_flat(xp.reshape(local, (-1,)), bounds)
         pieces = [xp.reshape(flat[a:b], shp) for (a, b), shp in zip(bounds, shapes)]
         out.append(xp.reshape(unshard_tensor(name, pieces, config), (-1,)))
     return xp.concat(out, axis=0)
@@ -71,19 +73,22 @@ class TensorParallelDecoder(DecoderLM):
 
     cp: the ring's communicator (context parallelism), balanced its mirrored chunks;
     loss_group: the group over which the loss's token count is summed (default: dp, or
-    the dp x cp group when given as dp); layers: a pipeline stage's blocks."""
+    the dp x cp group when given as dp); layers: a pipeline stage's blocks; ep: an MoE
+    model's expert-parallel group (consecutive ranks of dp), which shards its experts."""
 
     def __init__(self, config: DecoderConfig, tp, dp=None, sequence_parallel: bool = False,
-                 cp=None, balanced: bool = True, layers=None):
+                 cp=None, balanced: bool = True, layers=None, ep=None):
         config.validate()
         # the layout's parts this rank knows of (the builder validated the whole layout)
         Layout(tp=tp.size, sp=sequence_parallel, cp=None if cp is None else cp.size,
-               balanced=balanced).validate(config)
+               balanced=balanced, dp=1 if dp is None else dp.size,
+               ep=1 if ep is None else ep.size).validate(config)
         check_tensor_parallel(config, tp.size, sequence_parallel=sequence_parallel)
         tp.check_same(config_hash(config, tp=tp.size, sp=sequence_parallel),
                       "the model configuration (or the parallel layout)")
-        self.tp, self.dp, self.sp, self.cp = tp, dp, sequence_parallel, cp
-        parts = ParallelParts(config, tp, sequence_parallel, cp, balanced, loss_group=dp)
+        self.tp, self.dp, self.sp, self.cp, self.ep = tp, dp, sequence_parallel, cp, ep
+        parts = ParallelParts(config, tp, sequence_parallel, cp, balanced, loss_group=dp,
+                              ep=ep)
         super().__init__(config, parts, layers)
         self.vocab = parts.vocab
         self.replicated = [n for n in self.params.names if shard_rule(n) == "replicated"]
@@ -107,11 +112,12 @@ class TensorParallelDecoder(DecoderLM):
         """Copy this rank's block of every tensor of a single-device model's Parameters."""
         for name in self.params.names:
             self.params[name][...] = shard_tensor(name, full_params[name], self.config,
-                                                  self.tp.size, self.tp.rank)
+                                                  self.tp.size, self.tp.rank,
+                                                  self.parts.ep_size, self.parts.ep_rank)
         return self
 
     def gather_full(self, which: str = "data"):
         """The full flat buffer of the single-device layout (every rank gets it; collective
         over tp). which: 'data' or 'grad'."""
         get = self.params.__getitem__ if which == "data" else self.params.grad_of
-        return gather_tensors(self.config, self.tp, get)
+        return gather_tensors(self.config, self.tp, get, self.ep)

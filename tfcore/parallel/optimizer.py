@@ -31,6 +31,8 @@ and counted (bool [P], False for a copy another rank counts) as in grads.paralle
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import backend
@@ -39,15 +41,26 @@ from .comm import chunk_bounds
 from .grads import GradPiece, global_sum_of_squares, parallel_pieces
 
 
+class ExpertShards(NamedTuple):
+    """An MoE model's experts under expert parallelism: mask (bool [P]) marks their elements
+    in the flat buffer; each rank holds N_E / ep of them, split over the expert-parallel
+    group ep, and the ranks holding the same experts form edp (dp / ep of them)."""
+
+    mask: object
+    ep: object
+    edp: object
+
+
 class _DataParallel(ShardView):
     """A contiguous range (a, b) of the flat buffers over the data-parallel group dp."""
 
     sharded = False                   # the dp ranks hold disjoint chunks (ZeRO)
 
-    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None):
+    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, experts=None):
         if tp_mask is not None and tp is None:
             raise ValueError("tp_mask needs the tensor-parallel group tp")
         self.dp, self.tp, self.tp_mask, self.pp, self.counted = dp, tp, tp_mask, pp, counted
+        self.experts = experts        # ExpertShards, or None (every rank holds them all)
         self.bounds = None            # (a, b): set by size(), from the parameters' size
 
     def size(self, params) -> int:
@@ -65,6 +78,20 @@ class _DataParallel(ShardView):
         a, b = self.bounds
         dp = self.dp if self.sharded else None
         counted = None if self.counted is None else self.counted[a:b]
+        if self.experts is not None:  # the experts: split over ep, whole on every tp rank
+            xp = backend.namespace(grad)
+            mine = self.experts.mask[a:b]
+            others = xp.logical_not(mine)
+            counted = others if counted is None else xp.logical_and(counted, others)
+            groups = tuple(g for g in (self.experts.ep, dp, self.pp) if g is not None)
+            if self.tp is None:
+                rest = [GradPiece(grad, tuple(g for g in (dp, self.pp) if g is not None),
+                                  counted)]
+            else:
+                mask = (self.tp_mask if self.tp_mask is not None
+                        else xp.zeros((b,), dtype=xp.bool))[a:b]
+                rest = parallel_pieces(grad, mask, self.tp, dp, self.pp, counted)
+            return rest + [GradPiece(grad, groups, mine)]
         if self.tp is None:
             if counted is not None:
                 raise ValueError("counted needs the tensor-parallel group tp")
@@ -81,14 +108,25 @@ class Replicated(_DataParallel):
     reduce=False: the caller has summed params.grad over dp before step() (buckets that
     overlap the backward, or reduce_gradients() timed on its own)."""
 
-    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, reduce: bool = True):
-        super().__init__(dp, tp, tp_mask, pp, counted)
+    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, reduce: bool = True,
+                 experts=None):
+        super().__init__(dp, tp, tp_mask, pp, counted, experts)
         self.reduce = reduce
 
     def reduce_gradients(self, params) -> None:
-        """params.grad <- sum over dp of params.grad (in place)."""
-        if self.dp.size > 1:
-            params.grad[...] = self.dp.all_reduce(params.grad)
+        """params.grad <- sum over dp of params.grad (in place); under expert parallelism
+        the experts' elements are summed over edp instead (the ranks holding the same
+        experts), the rest over dp."""
+        if self.experts is None or self.experts.ep.size == 1:
+            if self.dp.size > 1:
+                params.grad[...] = self.dp.all_reduce(params.grad)
+            return
+        xp = backend.namespace(params.grad)
+        mine = self.experts.mask
+        others = xp.logical_not(mine)
+        params.grad[others] = self.dp.all_reduce(params.grad[others])
+        if self.experts.edp.size > 1:
+            params.grad[mine] = self.experts.edp.all_reduce(params.grad[mine])
 
     def gradient(self, params):
         if self.reduce:

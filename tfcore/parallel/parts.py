@@ -29,6 +29,11 @@ holds
     attn.proj.W [H D_h / N, D]                     the matching rows; attn.proj.b replicated
     mlp.fc.W, mlp.gate.W [D, F/N] (and .b)         columns; mlp.proj.W [F/N, D] rows
     norms, wpe, row-parallel biases                replicated
+    moe.experts.* [N_E, ...]                       experts e E_l .. (e+1) E_l - 1 on
+                                                    expert-parallel rank e of n_ep
+                                                    (E_l = N_E / n_ep), whole on every tp
+                                                    rank; the router, the selection bias
+                                                    and the shared experts replicated
 
 What each rank computes from its share of a replicated tensor's input (under sequence
 parallelism the norms see S/N rows) or of a shared key/value head is summed over the
@@ -52,7 +57,10 @@ from .context import ContextLayout, ring_attention_backward, ring_attention_forw
 
 
 def shard_rule(name: str) -> str:
-    """How the tensor `name` is split over the tensor-parallel ranks."""
+    """How the tensor `name` is split over the tensor-parallel ranks ('experts': over the
+    expert-parallel ranks instead, along its first axis)."""
+    if ".moe.experts." in name:
+        return "experts"
     if name == "wte":
         return "vocab_rows"
     if name in ("head.W", "head.b"):
@@ -97,12 +105,17 @@ def _blocks(config, tp, rank):
     return (v0, v1), (rank * d, (rank + 1) * d), (rank * f, (rank + 1) * f)
 
 
-def shard_tensor(name, full, config: DecoderConfig, tp: int, rank: int):
-    """Rank `rank`'s block of the full tensor `name` (any array library, returns a copy)."""
+def shard_tensor(name, full, config: DecoderConfig, tp: int, rank: int, ep: int = 1,
+                 ep_rank: int = 0):
+    """Rank `rank`'s block of the full tensor `name` (any array library, returns a copy);
+    an expert tensor's block is expert-parallel rank `ep_rank`'s of `ep`."""
     xp = backend.namespace(full)
     (v0, v1), (c0, c1), (f0, f1) = _blocks(config, tp, rank)
     rule = shard_rule(name)
-    if rule == "vocab_rows":
+    if rule == "experts":
+        n_local = full.shape[0] // ep
+        out = full[ep_rank * n_local:(ep_rank + 1) * n_local, ...]
+    elif rule == "vocab_rows":
         out = full[v0:v1, ...]
     elif rule == "vocab_cols":
         out = full[..., v0:v1]
@@ -124,7 +137,7 @@ def unshard_tensor(name, pieces, config: DecoderConfig):
     tp = len(pieces)
     if rule == "replicated":
         return pieces[0]
-    if rule in ("vocab_rows", "rows"):
+    if rule in ("vocab_rows", "rows", "experts"):     # experts: pieces of the ep ranks
         return xp.concat(pieces, axis=0)
     if rule in ("vocab_cols", "cols"):
         return xp.concat(pieces, axis=-1)
@@ -140,11 +153,12 @@ def unshard_tensor(name, pieces, config: DecoderConfig):
     return xp.take(side_by_side, xp.asarray(where), axis=side_by_side.ndim - 1)
 
 
-def local_shapes(config: DecoderConfig, names, tp: int, rank: int) -> dict:
-    """{name: shape} of rank `rank`'s blocks of the tensors `names`."""
+def local_shapes(config: DecoderConfig, names, tp: int, rank: int, ep: int = 1) -> dict:
+    """{name: shape} of rank `rank`'s blocks of the tensors `names` (an expert tensor's:
+    N_E / ep experts)."""
     full = config.param_shapes()
     return {n: tuple(shard_tensor(n, np.empty(full[n], dtype=np.int8), config, tp,
-                                  rank).shape) for n in names}
+                                  rank, ep).shape) for n in names}
 
 
 def check_tensor_parallel(config: DecoderConfig, tp: int, seq_len: int | None = None,
@@ -217,13 +231,24 @@ class ParallelParts(OneDevice):
     """The seams of one rank of a layout: tp (a Communicator, size 1 for none), sp,
     cp (the ring's Communicator, or None), balanced (the ring's mirrored chunks),
     loss_group (the Communicator over which the loss's token count is summed: the
-    data-parallel and ring ranks of a batch; None: this rank's tokens alone)."""
+    data-parallel and ring ranks of a batch; None: this rank's tokens alone), ep (the
+    expert-parallel group of an MoE model, a block of consecutive ranks of loss_group;
+    None: every expert on every rank). An MoE model's routing spans loss_group's tokens
+    (expert_groups)."""
 
     name = "parallel"
 
     def __init__(self, config: DecoderConfig, tp, sp: bool = False, cp=None,
-                 balanced: bool = True, loss_group=None):
+                 balanced: bool = True, loss_group=None, ep=None):
         self.config, self.tp, self.sp, self.cp = config, tp, bool(sp), cp
+        self.ep_size, self.ep_rank = (1, 0) if ep is None else (ep.size, ep.rank)
+        self.expert_groups = None
+        if config.n_experts and loss_group is not None and loss_group.size > 1:
+            from ..models.moe import ExpertGroups
+
+            self.expert_groups = ExpertGroups(loss_group,
+                                              ep if ep is not None else loss_group.split(
+                                                  loss_group.rank, name="ep1"))
         self.tp_size = tp.size
         self.balanced = checks.boolean("balanced", balanced)
         self.loss_group = loss_group
@@ -242,7 +267,8 @@ class ParallelParts(OneDevice):
         self._layouts = {}
 
     def local_shapes(self, shapes: dict) -> dict:
-        return local_shapes(self.config, list(shapes), self.tp.size, self.tp.rank)
+        return local_shapes(self.config, list(shapes), self.tp.size, self.tp.rank,
+                            self.ep_size)
 
     def block_spec(self, spec):
         cfg, n = self.config, self.tp.size

@@ -220,6 +220,10 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     Layout(dp=dp, tp=tp, pp=pp if pp > 1 else None, cp=cp if cp > 1 else None, zero=zero,
            micro_batches=microbatches, virtual=virtual, schedule=schedule,
            balanced=balanced, sp=sp).validate(config)   # the combinations that do not train
+    if config.n_experts:
+        raise ValueError(f"plan() prices dense decoders; this config has n_experts = "
+                         f"{config.n_experts}: an MoE step's all-to-all bytes depend on its "
+                         "routing (tfcore.parallel.experts counts them per step)")
     if seq > config.max_seq_len:
         raise ValueError(f"seq ({seq}) exceeds the config's max_seq_len "
                          f"({config.max_seq_len})")

@@ -23,13 +23,14 @@ from ..models.decoder import DecoderConfig
 from .grads import (
     GradientBuckets,
     accumulation_weights,
+    expert_mask,
     split_micro_batches,
     tensor_parallel_mask,
 )
 from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
-from .optimizer import Replicated, ZeRO1, ZeRO23, adamw
+from .optimizer import ExpertShards, Replicated, ZeRO1, ZeRO23, adamw
 
 
 class Run:
@@ -73,7 +74,7 @@ def build(world, config: DecoderConfig, layout: Layout, hyper: dict, mesh=None,
         run = build_stage(world, config, layout, hyper, mesh)
         run.precision = precision
         return run
-    mesh = mesh or Mesh(world, layout.tp, layout.dp, cp=layout.cp)
+    mesh = mesh or Mesh(world, layout.tp, layout.dp, cp=layout.cp, ep=layout.ep)
     layout.validate(config, world=world.size)
     data = mesh.data                 # the gradients' group: dp, or dp x cp with a ring
     if layout.zero >= 2:
@@ -85,11 +86,14 @@ def build(world, config: DecoderConfig, layout: Layout, hyper: dict, mesh=None,
         model.ledger.hold("optimizer", opt.v, "v")
     else:
         model = TensorParallelDecoder(config, mesh.tp, data, layout.sp, mesh.cp,
-                                      layout.balanced)
+                                      layout.balanced, ep=mesh.ep)
         tp_mask = None if layout.clip is None else tensor_parallel_mask(model)  # [P_local]
+        experts = (None if mesh.ep is None
+                   else ExpertShards(expert_mask(model), mesh.ep, mesh.edp))
         # replicated: the gradient is summed by the step (buckets, or reduce_gradients)
         shard = (ZeRO1(data, mesh.tp, tp_mask, reduce=layout.bucket_bytes is None)
-                 if layout.zero == 1 else Replicated(data, mesh.tp, tp_mask, reduce=False))
+                 if layout.zero == 1 else Replicated(data, mesh.tp, tp_mask, reduce=False,
+                                                     experts=experts))
         opt = adamw(model.params, shard, hyper, clip=layout.clip)
     return Run(mesh, model, opt, shard, layout, precision=precision)
 
@@ -119,7 +123,7 @@ def _one_device(config: DecoderConfig, layout: Layout, hyper: dict, precision) -
     from ..optim import ShardView
 
     extra = [f for f in ("pp", "cp", "bucket_bytes") if getattr(layout, f) is not None]
-    extra += [f for f in ("dp", "tp") if getattr(layout, f) != 1]
+    extra += [f for f in ("dp", "tp", "ep") if getattr(layout, f) != 1]
     extra += [f for f in ("zero", "sp") if getattr(layout, f)]
     if extra:
         raise ValueError(f"a one-device run (world None) takes micro_batches and clip from "
