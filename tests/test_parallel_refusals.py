@@ -25,7 +25,8 @@ from tfcore.parallel.layout import CONFIG_FIELDS, LAYOUT_FIELDS, REFUSALS, readm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The values that switch each field on; "absent" is the field's default (None, 1, False).
-VALUES = {"dp": [2], "tp": [2], "pp": [2], "cp": [2], "ep": [2], "zero": [1, 2, 3],
+VALUES = {"dp": [2], "tp": [2], "pp": [2], "cp": [2], "ep": [2], "ulysses": [True],
+          "zero": [1, 2, 3],
           "sp": [True],
           "micro_batches": [2], "virtual": [2], "schedule": ["gpipe", "1f1b", "interleaved"],
           "clip": [1.0], "bucket_bytes": [1024], "algorithm": ["native"],

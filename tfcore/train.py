@@ -183,6 +183,7 @@ class TrainConfig:
     tp: int = 1
     cp: int | None = None
     ep: int = 1                   # expert parallelism: an MoE model's experts over ep dp ranks
+    ulysses: bool = False         # with cp: Ulysses attention (all-to-alls) instead of the ring
     zero: int = 0
     sp: bool = False
     micro_batches: int = 1
@@ -364,7 +365,8 @@ class TrainConfig:
             raise ConfigError("schedule", f"must be one of {', '.join(SCHEDULES)}, got "
                               f"{self.schedule!r}")
         return Layout(dp=int(self.dp), tp=int(self.tp), cp=None if self.cp is None
-                      else int(self.cp), ep=int(self.ep), zero=int(self.zero),
+                      else int(self.cp), ep=int(self.ep), ulysses=bool(self.ulysses),
+                      zero=int(self.zero),
                       sp=bool(self.sp),
                       micro_batches=int(self.micro_batches),
                       pp=None if self.pp is None else int(self.pp),
@@ -397,7 +399,7 @@ def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
 # Fields that may differ between a checkpoint and the run that resumes it: they change
 # where files go and how often we look, or the layout (whose runs equal one device's to
 # rounding), never the trajectory of the parameters.
-LAYOUT_FIELDS = ("dp", "tp", "cp", "ep", "zero", "sp", "micro_batches", "pp", "virtual",
+LAYOUT_FIELDS = ("dp", "tp", "cp", "ep", "ulysses", "zero", "sp", "micro_batches", "pp", "virtual",
                  "schedule")
 FREE_FIELDS = ("out_dir", "eval_interval", "eval_batches", "checkpoint_interval", "progress",
                *LAYOUT_FIELDS)

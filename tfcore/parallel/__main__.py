@@ -98,6 +98,9 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
                     "c_k / T_c; default 1)")
     ap.add_argument("--cp", type=int, default=None,
                     help="context-parallel degree: the sequence split over every rank")
+    ap.add_argument("--ulysses", action="store_true",
+                    help="with --cp: attention by heads after all-to-alls (DeepSpeed-Ulysses) "
+                    "instead of the ring, on contiguous chunks")
     ap.add_argument("--ep", type=int, default=1,
                     help="expert-parallel degree: an MoE config's experts over blocks of ep "
                     "data-parallel ranks (it divides dp; adds no ranks)")
@@ -137,7 +140,8 @@ def _parser(quiet: bool = False) -> argparse.ArgumentParser:
 
 
 # The command-line option of each field a refusal reads (Layout's, or the model config's).
-OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", ep="--ep", zero="--zero",
+OPTIONS = dict(dp="--dp", tp="--tp", pp="--pp", cp="--cp", ep="--ep", ulysses="--ulysses",
+               zero="--zero",
                sp="--sp",
                micro_batches="--micro-batches", virtual="--virtual", schedule="--schedule",
                balanced=None, clip="--clip", bucket_bytes="--bucket-bytes",
@@ -161,6 +165,7 @@ def refusals_text() -> str:
 def layout_of(args, dp: int | None = None) -> Layout:
     """The Layout of the arguments (dp: the data-parallel degree, when known)."""
     return Layout(dp=dp or args.dp or 1, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                  ulysses=args.ulysses,
                   zero=args.zero,
                   sp=args.sp, micro_batches=microbatches(args) or 1,
                   virtual=args.virtual or 1, schedule=args.schedule, clip=args.clip,
@@ -369,7 +374,8 @@ def layout_line(args, world_size: int) -> str:
     elif args.cp is not None:
         line = (f"world {world_size} = cp {args.cp}" if dp == args.tp == 1 else
                 f"world {world_size} = dp {dp} x cp {args.cp} x tp {args.tp}")
-        line += " (ring attention, balanced chunks)"
+        line += (" (Ulysses attention, contiguous chunks)" if args.ulysses
+                 else " (ring attention, balanced chunks)")
         if args.sp or args.zero:
             line += f", sp={args.sp}, zero={args.zero}"
     else:

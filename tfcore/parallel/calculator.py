@@ -88,12 +88,14 @@ ACTIVATION_DTYPES = ("float32", "float64")
 
 # The refusals of Layout.validate the form can reach, by name; the script holds their
 # predicates. The others read a field the calculator keeps at a default under which they
-# cannot refuse (no ring, no buckets, no clipping, the ring algorithm, a dense model).
+# cannot refuse (no ring, no buckets, no clipping, the ring algorithm, a dense model, no
+# Ulysses, no expert parallelism).
 REACHABLE_REFUSALS = ("pipeline schedule without pipeline parallelism",
                       "virtual stages without pipeline parallelism",
                       "ZeRO-2/3 with pipeline parallelism",
                       "virtual stages with a one-chunk schedule")
-_FIXED_FIELDS = {"cp", "bucket_bytes", "clip", "algorithm", "transport", "n_experts"}
+_FIXED_FIELDS = {"cp", "bucket_bytes", "clip", "algorithm", "transport", "n_experts",
+                 "ulysses", "ep"}
 
 # The form's first layout: chapter 23's "ZeRO-1 8" row of GPT-2 small.
 DEFAULTS = dict(preset="GPT-2 small (124 M)", dp=8, tp=1, pp=1, zero=1, sp=False,

@@ -259,17 +259,18 @@ class ShardedDecoder(TensorParallelDecoder):
     """
 
     def __init__(self, config: DecoderConfig, tp, dp, stage: int = 3,
-                 sequence_parallel: bool = False, cp=None, balanced: bool = True):
+                 sequence_parallel: bool = False, cp=None, balanced: bool = True,
+                 ulysses: bool = False):
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES} (ZeRO-1 is optimizer.ZeRO1), "
                              f"got {stage!r}")
         if backend.get_backend() != "numpy":
             raise ValueError("ZeRO-2/3 here run on the NumPy backend (host arrays)")
         Layout(tp=tp.size, zero=stage, sp=sequence_parallel,
-               cp=None if cp is None else cp.size).validate(config)
+               cp=None if cp is None else cp.size, ulysses=ulysses).validate(config)
         # the parent builds this rank's whole buffers once, for their shapes and decay
         # mask; they are dropped at once (stage 2 then holds its own copy of the values)
-        super().__init__(config, tp, dp, sequence_parallel, cp, balanced)
+        super().__init__(config, tp, dp, sequence_parallel, cp, balanced, ulysses=ulysses)
         self.source = GatherOnUse(self)
         shapes = self.params.shapes                       # this tensor-parallel rank's shapes
         self.dtype = self.params.dtype

@@ -161,7 +161,7 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
                    seed: int = 0, hyper=None, gather: bool = True, micro_batches: int = 1,
                    clip: float | None = None, bucket_bytes: int | None = None,
                    overlap: bool = True, cp: int | None = None, balanced: bool = True,
-                   ep: int = 1):
+                   ep: int = 1, ulysses: bool = False):
     """Rank-local: run on every rank of `world`. The global batch [B, S] is split by rows over
     the dp ranks (and each sequence over the cp ranks of a ring). -> dict(losses, params
     (full, host), grads (full, of the last step, before the optimizer; None with ZeRO),
@@ -180,7 +180,7 @@ def train_parallel(world, config: DecoderConfig, steps: int, batch: int, seq: in
     stage = int(zero)
     layout = Layout(tp=tp, dp=dp or world.size // (tp * (cp or 1)), sp=sequence_parallel,
                     zero=stage, micro_batches=K, clip=max_norm, bucket_bytes=bucket_bytes,
-                    cp=cp, balanced=balanced, ep=ep).validate(config)
+                    cp=cp, balanced=balanced, ep=ep, ulysses=ulysses).validate(config)
     mesh = Mesh(world, tp, dp, cp=cp, ep=ep)  # the sizes' own messages, before anything else
     layout.validate(config, world=world.size)
     dp_size = mesh.dp_size
@@ -237,12 +237,13 @@ def train_layout(world, config: DecoderConfig, layout: Layout, steps: int, batch
                               schedule=layout.pipeline_schedule, n_virtual=layout.virtual,
                               tp=layout.tp, dp=layout.dp, seed=seed, hyper=hyper,
                               gather=gather, clip=layout.clip, sequence_parallel=layout.sp,
-                              zero=layout.zero, cp=layout.cp, balanced=layout.balanced)
+                              zero=layout.zero, cp=layout.cp, balanced=layout.balanced,
+                              ulysses=layout.ulysses)
     return train_parallel(world, config, steps, batch, seq, tp=layout.tp, dp=layout.dp,
                           sequence_parallel=layout.sp, zero=layout.zero, seed=seed,
                           hyper=hyper, gather=gather, micro_batches=layout.micro_batches,
                           clip=layout.clip, bucket_bytes=layout.bucket_bytes, cp=layout.cp,
-                          balanced=layout.balanced, ep=layout.ep)
+                          balanced=layout.balanced, ep=layout.ep, ulysses=layout.ulysses)
 
 
 def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: int,
@@ -250,7 +251,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
                    tp: int = 1, dp: int | None = None, seed: int = 0, hyper=None,
                    gather: bool = True, clip: float | None = None,
                    sequence_parallel: bool = False, zero: int = 0, cp: int | None = None,
-                   balanced: bool = True):
+                   balanced: bool = True, ulysses: bool = False):
     """Rank-local: run on every rank of `world` (SimulatedGroup or MPIComm). The global
     batch [B, S] is split by rows over the dp replicas, each replica's rows into m
     micro-batches of B_m = B / (N_D m) rows. -> dict(losses (every rank), params, grads
@@ -271,7 +272,7 @@ def train_pipeline(world, config: DecoderConfig, steps: int, batch: int, seq: in
                                batch, schedule, cp, sequence_parallel, int(zero))
     layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=int(zero), sp=sequence_parallel,
                     micro_batches=n_microbatches, virtual=n_virtual, schedule=schedule,
-                    balanced=balanced, clip=max_norm)
+                    balanced=balanced, clip=max_norm, ulysses=ulysses)
     run = build_stage(world, config, layout, dict(HYPER, **(hyper or {})))
     stage, mesh = run.model, run.mesh
     full = DecoderLM(config).init(seed).params

@@ -8,7 +8,8 @@ run has no pipeline or no ring, so that a pipeline or a ring of one rank is stil
 decoder), the ZeRO stage, the expert-parallel degree (blocks of the dp ranks that share out an MoE
 model's experts: it adds no ranks), sequence parallelism, micro-batches (with pp: the pipeline's;
 without: gradient accumulation), virtual stages per pipeline rank, the schedule, the
-balanced causal split of the ring, gradient clipping, the overlapped gradient buckets, the
+balanced causal split of the ring, Ulysses (the cp group's attention by heads after
+all-to-alls, on contiguous chunks, instead of the ring; balanced is then unused), gradient clipping, the overlapped gradient buckets, the
 collective algorithm and the transport (simulated threads or MPI processes). Its fields are
 checked one by one when it is made (type and range); `validate` then refuses, in one line
 that names the combination and the reason, every combination listed in REFUSALS: the
@@ -84,6 +85,13 @@ REFUSALS: list[Refusal] = [
     Refusal("virtual stages without pipeline parallelism", ("virtual", "pp"),
             lambda l, c: not _pipe(l) and l.virtual != 1,
             "virtual stages are chunks of a pipeline rank; give pp with them"),
+    Refusal("Ulysses without context parallelism", ("ulysses", "cp"),
+            lambda l, c: l.ulysses and not _ctx(l),
+            "Ulysses is the cp group's attention; give cp with it"),
+    Refusal("Ulysses attention with dropout", ("ulysses", "cp", "dropout"),
+            lambda l, c: l.ulysses and _ctx(l) and _dropout(c),
+            "the heads layout holds the whole sequence of H/N heads, not one device's "
+            "[B, H, S, S] draw; use dropout 0 or the ring"),
     Refusal("context parallelism with dropout on dense attention", ("cp", "dropout",
                                                                     "attention"),
             lambda l, c: _ctx(l) and _dropout(c) and c.attention == "dense",
@@ -180,6 +188,7 @@ class Layout:
     virtual: int = 1                    # model chunks per pipeline rank
     schedule: str | None = None         # None: 1f1b, interleaved when virtual > 1
     balanced: bool = True               # the ring's mirrored causal chunks
+    ulysses: bool = False               # cp's attention by heads after all-to-alls
     clip: float | None = None           # max_norm of the global gradient norm
     bucket_bytes: int | None = None     # overlapped gradient all-reduce buckets
     algorithm: str = "ring"             # collective algorithm
@@ -192,7 +201,7 @@ class Layout:
             _positive_int(name, getattr(self, name), none_ok=True)
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
-        for name in ("sp", "balanced"):
+        for name in ("sp", "balanced", "ulysses"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -249,6 +258,13 @@ class Layout:
         if seq is not None and config is not None and seq > config.max_seq_len:
             raise ValueError(f"seq ({seq}) exceeds the config's max_seq_len "
                              f"({config.max_seq_len})")
+        if self.ulysses and config is not None and (config.n_heads // self.tp) % (self.cp or 1):
+            raise ValueError(f"Ulysses splits each tensor-parallel rank's n_heads / tp = "
+                             f"{config.n_heads} / {self.tp} heads over cp = {self.cp} ranks: "
+                             "they must divide")
+        if self.ulysses and seq is not None and seq % (self.cp or 1):
+            raise ValueError(f"with Ulysses the sequence length ({seq}) must be divisible "
+                             f"by the context-parallel degree ({self.cp})")
         if seq is not None and self.sp and seq % self.tp:
             raise ValueError(f"with sequence parallelism the sequence length ({seq}) must be "
                              f"divisible by the tensor-parallel degree ({self.tp})")
@@ -261,7 +277,7 @@ class Layout:
             parts.append(f"pp={self.pp}")
         parts.append(f"tp={self.tp}")
         if self.cp is not None:
-            parts.append(f"cp={self.cp}")
+            parts.append(f"cp={self.cp}" + (" (Ulysses)" if self.ulysses else ""))
         shape = " x ".join(parts)
         return shape + (f" (ep={self.ep})" if self.ep > 1 else "")
 

@@ -74,21 +74,24 @@ class TensorParallelDecoder(DecoderLM):
     cp: the ring's communicator (context parallelism), balanced its mirrored chunks;
     loss_group: the group over which the loss's token count is summed (default: dp, or
     the dp x cp group when given as dp); layers: a pipeline stage's blocks; ep: an MoE
-    model's expert-parallel group (consecutive ranks of dp), which shards its experts."""
+    model's expert-parallel group (consecutive ranks of dp), which shards its experts;
+    ulysses: the cp group computes attention by heads after all-to-alls (Ulysses) instead
+    of as a ring, on contiguous chunks of the sequence."""
 
     def __init__(self, config: DecoderConfig, tp, dp=None, sequence_parallel: bool = False,
-                 cp=None, balanced: bool = True, layers=None, ep=None):
+                 cp=None, balanced: bool = True, layers=None, ep=None,
+                 ulysses: bool = False):
         config.validate()
         # the layout's parts this rank knows of (the builder validated the whole layout)
         Layout(tp=tp.size, sp=sequence_parallel, cp=None if cp is None else cp.size,
                balanced=balanced, dp=1 if dp is None else dp.size,
-               ep=1 if ep is None else ep.size).validate(config)
+               ep=1 if ep is None else ep.size, ulysses=ulysses).validate(config)
         check_tensor_parallel(config, tp.size, sequence_parallel=sequence_parallel)
         tp.check_same(config_hash(config, tp=tp.size, sp=sequence_parallel),
                       "the model configuration (or the parallel layout)")
         self.tp, self.dp, self.sp, self.cp, self.ep = tp, dp, sequence_parallel, cp, ep
         parts = ParallelParts(config, tp, sequence_parallel, cp, balanced, loss_group=dp,
-                              ep=ep)
+                              ep=ep, ulysses=ulysses)
         super().__init__(config, parts, layers)
         self.vocab = parts.vocab
         self.replicated = [n for n in self.params.names if shard_rule(n) == "replicated"]

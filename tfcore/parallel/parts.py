@@ -10,10 +10,13 @@ same methods for a rank of a layout, and DecoderLM runs them unchanged:
     head                 column-parallel, V_r columns    the sequence gathered first
     loss                 vocab-parallel cross-entropy, the count summed over `loss_group`
 
-    seam                 context parallel (cp, the ring)
-    positions            the ring's chunks of the sequence (plain or balanced, ContextLayout);
-                         with sp as well, block t of them on tensor-parallel rank t
-    attention            ring attention (context.py) over the cp group, this rank's heads
+    seam                 context parallel (cp, the ring; or Ulysses)
+    positions            the ring's chunks of the sequence (plain or balanced, ContextLayout;
+                         Ulysses: plain, contiguous); with sp as well, block t of them on
+                         tensor-parallel rank t
+    attention            ring attention (context.py) over the cp group, this rank's heads;
+                         Ulysses (ulysses.py): all-to-alls to H/(N_T N_C) heads of the whole
+                         sequence, one device's dense or tiled op, and back
     embedding, loss      the ids and targets of the rank's positions
 
 Sharding by parameter name (`shard_rule`, `shard_tensor`, `unshard_tensor`): rank t of N
@@ -50,6 +53,7 @@ from ..models.decoder import DecoderConfig
 from ..models.parts import IGNORE_INDEX, OneDevice, count_rows, rows_at, sub_rows
 from . import layers as L
 from .context import ContextLayout, ring_attention_backward, ring_attention_forward
+from .ulysses import ulysses_attention_backward, ulysses_attention_forward
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,8 +243,9 @@ class ParallelParts(OneDevice):
     name = "parallel"
 
     def __init__(self, config: DecoderConfig, tp, sp: bool = False, cp=None,
-                 balanced: bool = True, loss_group=None, ep=None):
+                 balanced: bool = True, loss_group=None, ep=None, ulysses: bool = False):
         self.config, self.tp, self.sp, self.cp = config, tp, bool(sp), cp
+        self.ulysses = checks.boolean("ulysses", ulysses) and cp is not None
         self.ep_size, self.ep_rank = (1, 0) if ep is None else (ep.size, ep.rank)
         self.expert_groups = None
         if config.n_experts and loss_group is not None and loss_group.size > 1:
@@ -274,12 +279,14 @@ class ParallelParts(OneDevice):
         cfg, n = self.config, self.tp.size
         return replace(spec, n_heads=cfg.n_heads // n, n_kv_heads=self.n_kv_local,
                        d_ff=cfg.d_ff // n, d_head=cfg.head_dim,
-                       attention="tiled" if self.ring else spec.attention)
+                       attention="tiled" if self.ring and not self.ulysses
+                       else spec.attention)
 
     # -- positions -----------------------------------------------------------------------
     def ring_layout(self, seq: int) -> ContextLayout:
         if seq not in self._layouts:
-            self._layouts[seq] = ContextLayout(seq, self.cp.size, self.balanced)
+            self._layouts[seq] = ContextLayout(seq, self.cp.size,
+                                               self.balanced and not self.ulysses)
         return self._layouts[seq]
 
     def attention_index(self, seq: int):
@@ -354,6 +361,11 @@ class ParallelParts(OneDevice):
     def attention_forward(self, q, k, v, spec, rng=None, training=False):
         """q [B, H/N, S_r, D_h], k, v [B, H_kv/N, S_r, D_h] -> the ring's attention; with
         dropout, each pair of chunks draws its block of the whole attention's mask."""
+        if self.ulysses:
+            block = spec.attention_block_size if spec.attention == "tiled" else None
+            return ulysses_attention_forward(q, k, v, self.cp, causal=spec.causal,
+                                             attention=spec.attention, block_size=block,
+                                             seq_len=self.layout.seq_len)
         dropout = {}
         if training and spec.dropout > 0 and isinstance(rng, LayoutDraws):
             b0, _, batch = rng.rows
@@ -363,12 +375,16 @@ class ParallelParts(OneDevice):
                                       block_size=spec.attention_block_size, **dropout)
 
     def attention_backward(self, da, cache, spec):
+        if self.ulysses:
+            return ulysses_attention_backward(da, cache)
         return ring_attention_backward(da, cache)
 
     def attention_keep_output(self, cache, out):
         """The ring's cache (q, k, v, out, lse, ...) with `out` in place of its output."""
         if not self.ring:
             return super().attention_keep_output(cache, out)
+        if self.ulysses:               # its tiled op's output is of the heads layout
+            return cache
         return cache[:3] + (out,) + cache[4:]
 
     # -- head and loss -------------------------------------------------------------------

@@ -271,9 +271,9 @@ class PipelineStage(TensorParallelDecoder):
 
     def __init__(self, config: DecoderConfig, tp, n_stages: int, stage: int,
                  n_virtual: int = 1, sequence_parallel: bool = False, cp=None,
-                 balanced: bool = True):
+                 balanced: bool = True, ulysses: bool = False):
         Layout(tp=tp.size, pp=n_stages, virtual=n_virtual, sp=sequence_parallel,
-               cp=None if cp is None else cp.size).validate(config)
+               cp=None if cp is None else cp.size, ulysses=ulysses).validate(config)
         tp.check_same(config_hash(config, tp=tp.size, pp=n_stages, v=n_virtual),
                       "the model configuration (or the parallel layout)")
         self.n_stages, self.stage, self.n_virtual = n_stages, stage, n_virtual
@@ -282,7 +282,7 @@ class PipelineStage(TensorParallelDecoder):
         # a micro-batch's loss: its mean over the tokens of this replica's rows (over the
         # ring's ranks when the sequences are split); the executor weights it
         super().__init__(config, tp, cp, sequence_parallel, cp, balanced,
-                         layers=[i for layers in chunks for i in layers])
+                         layers=[i for layers in chunks for i in layers], ulysses=ulysses)
         self.chunk_layers = chunks
 
     def held_shapes(self) -> dict:
@@ -524,7 +524,7 @@ def build_stage(world, config: DecoderConfig, layout: Layout, hyper: dict, mesh=
     plan = make_schedule(schedule, pp, m, v)
     world.check_same(f"{schedule} m={m} v={v}", "the pipeline schedule")
     stage = PipelineStage(config, mesh.tp, pp, mesh.pp_rank, v, layout.sp, mesh.cp,
-                          layout.balanced)
+                          layout.balanced, layout.ulysses)
     r = mesh.pp_rank
     holds_last = any(c * pp + r == pp * v - 1 for c in range(v))
     # a tied head: the first and the last stage each hold wte; their gradients are summed

@@ -34,7 +34,8 @@ rows under sequence parallelism, its positions on a ring, the vocab-parallel emb
 and cross-entropy's masks and indices); a pipeline rank the most chunk caches its schedule
 keeps at once (walking its operations). Tests compare each with the caches as held
 (test_layout_matrix.py). They are None rather than a guess under mixed precision (tfcore's
-autocast keeps float32 arrays where a GPU keeps bfloat16 ones).
+autocast keeps float32 arrays where a GPU keeps bfloat16 ones) and with Ulysses (whose
+caches, of the heads layout, no formula here counts yet); Ulysses's bytes are priced.
 
 A layout that Layout.validate refuses (layout.REFUSALS: the one list of the combinations
 that do not train, shared with the command line and the builders) raises its ValueError,
@@ -177,7 +178,7 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     cluster: a Cluster, for p.time (step_time: compute, communication, bubble, total,
     dominant). Raises ValueError for a layout that cannot run (Layout.validate's refusals first),
     before any work."""
-    layout_buckets = None
+    layout_buckets, ulysses = None, False
     if layout is not None:
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -194,6 +195,7 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         dp, tp, pp, cp, zero = layout.dp, layout.tp, layout.pp or 1, layout.cp or 1, layout.zero
         microbatches, virtual, schedule = layout.micro_batches, layout.virtual, layout.schedule
         algorithm, balanced, sp = layout.algorithm, layout.balanced, layout.sp
+        ulysses = layout.ulysses
         clip = layout.clip is not None
         layout_buckets = layout.bucket_bytes
     for name, value in dict(dp=dp, tp=tp, pp=pp, cp=cp, batch=batch, seq=seq,
@@ -249,7 +251,9 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     if pp > 1:
         layout["schedule"] = schedule
     if cp > 1:
-        layout["balanced"] = balanced
+        layout["balanced"] = balanced and not ulysses
+    if ulysses:
+        layout["ulysses"] = True
     if sp:
         layout["sp"] = True
     if clip:
@@ -269,10 +273,10 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         config, batch=batch, seq=seq, dp=dp, tp=tp, pp=pp, cp=cp if cp > 1 else None,
         zero=zero, sp=sp, micro_batches=microbatches, virtual=virtual, balanced=balanced,
         clip=clip, bucket_bytes=layout_buckets, algorithm=algorithm, itemsize=f,
-        rounds=rounds)
+        rounds=rounds, ulysses=ulysses)
     model = replace(config, dtype=dtype)
-    priced = not mixed_precision and dtype in ("float32", "float64")
-    ring = ContextLayout(seq, cp, balanced) if cp > 1 else None
+    priced = not mixed_precision and dtype in ("float32", "float64") and not ulysses
+    ring = ContextLayout(seq, cp, balanced and not ulysses) if cp > 1 else None
     micro = batch // (dp * microbatches)                         # rows of a micro-batch
     memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero,
                              MIXED if mixed_precision else dict(

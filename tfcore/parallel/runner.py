@@ -79,14 +79,14 @@ def build(world, config: DecoderConfig, layout: Layout, hyper: dict, mesh=None,
     data = mesh.data                 # the gradients' group: dp, or dp x cp with a ring
     if layout.zero >= 2:
         model = ShardedDecoder(config, mesh.tp, data, layout.zero, layout.sp, mesh.cp,
-                               layout.balanced)
+                               layout.balanced, layout.ulysses)
         shard = ZeRO23(model)
         opt = adamw(ZeRO23.buffers(model), shard, hyper, clip=layout.clip)
         model.ledger.hold("optimizer", opt.m, "m")                      # [Z_d] each
         model.ledger.hold("optimizer", opt.v, "v")
     else:
         model = TensorParallelDecoder(config, mesh.tp, data, layout.sp, mesh.cp,
-                                      layout.balanced, ep=mesh.ep)
+                                      layout.balanced, ep=mesh.ep, ulysses=layout.ulysses)
         tp_mask = None if layout.clip is None else tensor_parallel_mask(model)  # [P_local]
         experts = (None if mesh.ep is None
                    else ExpertShards(expert_mask(model), mesh.ep, mesh.edp))

@@ -281,7 +281,7 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                    micro_batches: int = 1, virtual: int = 1, balanced: bool = True,
                    clip: bool = False, bucket_bytes: int | None = None,
                    algorithm: str = "ring", itemsize: int = 8,
-                   rounds: list | None = None) -> list[dict]:
+                   rounds: list | None = None, ulysses: bool = False) -> list[dict]:
     """Bytes each world rank sends in one training step of any layout without gradient
     buckets, by (group, op): [{(group, op): bytes}] per world rank
     w = ((d N_P + s) N_C + c) N_T + t (mesh.py). The step, as the one decoder runs it:
@@ -310,17 +310,21 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
     dtype (SCALAR bytes each); the loss and count of the cross-entropy in the model's.
     rounds: a list to which each rank's rounds of messages are appended (collective_rounds
     per call, a pipeline message each, the ring's N_C - 1 per pass of a layer).
+        With ulysses the cp group's attention is Ulysses's four all-to-alls forward and four
+    backward per layer (ulysses.ulysses_attention_bytes, on contiguous chunks) in place of
+    the ring's blocks.
     """
     import math
     from collections import Counter
 
     from .context import ContextLayout, ring_attention_bytes
+    from .ulysses import ulysses_attention_bytes
     from .grads import pack_buckets
     from .parts import kv_heads_of, shard_rule
     from .pipeline import pipeline_bytes_sent, stage_layers, stage_param_names
 
     C, K, D, L = cp or 1, micro_batches, config.d_model, config.n_layers
-    ring = ContextLayout(seq, C, balanced) if cp is not None else None
+    ring = ContextLayout(seq, C, balanced and not ulysses) if cp is not None else None
     data = dp * C                                          # the gradients' group
     data_name = "dp" if cp is None else ("cp" if dp == 1 else "dp x cp")
     micro = batch // dp // K                               # B_m rows
@@ -365,7 +369,18 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                             add("tp", "all_reduce", replicated, tp, t, times=K)
                         if kv:
                             add("kv", "all_reduce", kv, sharing, t % sharing, times=K)
-                        if ring is not None and n_layers:
+                        if ring is not None and n_layers and ulysses:
+                            moved = ulysses_attention_bytes(
+                                micro, seq, config.n_heads // tp, k1 - k0, config.head_dim,
+                                C, itemsize=itemsize)
+                            passes = 2 if config.recompute == "full" else 1
+                            by_op[("cp", "all_to_all")] = by_op.get(("cp", "all_to_all"),
+                                                                    0) + (
+                                K * n_layers * (passes * moved["forward"][c]
+                                                + moved["backward"][c]))
+                            steps += K * n_layers * (passes + 1) * 4 * collective_rounds(
+                                "all_to_all", algorithm, C)
+                        elif ring is not None and n_layers:
                             moved = ring_attention_bytes(ring, micro, k1 - k0,
                                                          config.head_dim, itemsize=itemsize)
                             passes = 2 if config.recompute == "full" else 1
