@@ -585,13 +585,13 @@ class Trainer:
     def plan(self):
         """tfcore.parallel.plan of this run's model and layout on its batch [B, S] (its
         memory per rank, bytes per step per rank), or None for a task that is not the
-        decoder's, or a mixture of experts (trained, not priced: its all-to-all bytes
-        depend on the routing)."""
+        decoder's. A mixture of experts is priced for an even routing (its all-to-all
+        bytes depend on where the router sends the tokens)."""
         from .parallel import plan
         from .parallel.layout import LayoutError
 
-        if not self.task.decoder or self.model_config.n_experts:
-            return None             # plan() prices dense decoders (an MoE's bytes: routing)
+        if not self.task.decoder:
+            return None
         try:
             return plan(self.model_config, self.layout, batch=self.config.batch_size,
                         seq=self.model_config.max_seq_len, dtype=self.config.dtype)
@@ -1363,8 +1363,10 @@ def _report(trainer: "Trainer", resume) -> int:
               f"{backend.get_backend()}{where}, output {cfg.out_dir}", file=sys.stderr)
     planned = trainer.plan()
     if trainer.rank0 and planned is not None:
+        even = (", for an even routing of the experts' tokens"
+                if trainer.model_config.n_experts and trainer.layout.dp > 1 else "")
         print("plan: " + _account(max(_state(m) for m in planned.memory_per_rank),
-                                  max(planned.sent)), file=sys.stderr)
+                                  max(planned.sent)) + even, file=sys.stderr)
     if trainer.step >= cfg.steps:
         if trainer.rank0:
             print(f"nothing to train: {resume} is at step {trainer.step} of {cfg.steps}; "

@@ -560,7 +560,8 @@ class DecoderLM:
                 aux = m.aux_loss if aux is None else aux + m.aux_loss
                 self.moe_stats[i] = dict(load=m.routing["load"],
                                          kept_load=m.routing["kept_load"],
-                                         capacity=m.routing["capacity"], aux_loss=m.aux_loss)
+                                         capacity=m.routing["capacity"], aux_loss=m.aux_loss,
+                                         load_by_rank=m.routing["load_by_rank"])
             if full:                         # the backward runs the block again from x_in
                 c = ("recompute", x_in, replay, ctx)
             c_blocks.append(LayerCache(i, c))

@@ -111,7 +111,8 @@ class MoECache(NamedTuple):
     c_drop: tuple
     x_shape: tuple              # (B, S, D)
     aux_loss: object            # [] alpha * balancing loss + beta * z-loss (0 if both off)
-    routing: dict               # load, kept_load [N_E] and capacity of the whole batch
+    routing: dict               # load, kept_load [N_E] and capacity of the whole batch;
+                                # load_by_rank [N_D, N_E] (host under a layout)
     experts: object             # [T, K] the selection
     groups: ExpertGroups | None
 
@@ -155,7 +156,8 @@ def _dispatch(rows, routed, moe, groups):
         plan = M.moe_plan(routed.experts, moe.n_experts, moe.capacity_factor)
         xe, c_dispatch = M.moe_dispatch_forward(rows, plan)
         return xe, c_dispatch, plan, dict(load=plan.load, kept_load=plan.kept_load,
-                                          capacity=plan.capacity, tokens=plan.n_tokens)
+                                          capacity=plan.capacity, tokens=plan.n_tokens,
+                                          load_by_rank=xp.expand_dims(plan.load, axis=0))
     from ..parallel import experts as EP          # the layer above: imported when used
 
     plan = EP.ep_plan(routed.experts, groups.ep, moe.n_experts, moe.capacity_factor,
@@ -164,7 +166,8 @@ def _dispatch(rows, routed, moe, groups):
     load, kept = plan.load.sum(axis=0), plan.kept.sum(axis=0)             # [N_E] host
     capacity = plan.capacity if moe.capacity_factor is not None else int(load.max())
     return xe, c_dispatch, plan, dict(load=xp.asarray(load), kept_load=xp.asarray(kept),
-                                      capacity=capacity, tokens=int(load.sum()) // moe.top_k)
+                                      capacity=capacity, tokens=int(load.sum()) // moe.top_k,
+                                      load_by_rank=plan.load)
 
 
 def _combine(ye, gates, plan, groups):

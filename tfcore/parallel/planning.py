@@ -37,6 +37,16 @@ keeps at once (walking its operations). Tests compare each with the caches as he
 autocast keeps float32 arrays where a GPU keeps bfloat16 ones) and with Ulysses (whose
 caches, of the heads layout, no formula here counts yet); Ulysses's bytes are priced.
 
+A mixture of experts (config.n_experts > 0) is priced by name: each rank holds N_E / ep of
+the experts of every MoE block (layout.ep), and a step adds, per MoE layer, the loads'
+all-gather over dp, dispatch and combine as all-to-alls over the rank's block of ep ranks
+(and their adjoints in the backward), the auxiliary losses' value over dp, and the
+experts' gradient summed over the ranks that hold them (volume.expert_layer_traffic). The
+all-to-alls depend on where the router sends the tokens: expert_loads (one [dp, N_E]
+matrix of each rank's assignments per MoE layer, as moe_stats' load_by_rank reports them)
+gives a step's own, and without it plan assumes an even routing (volume.even_expert_loads).
+Its activations and step time are not priced (None, and a cluster is refused).
+
 A layout that Layout.validate refuses (layout.REFUSALS: the one list of the combinations
 that do not train, shared with the command line and the builders) raises its ValueError,
 before any work; plan(config, layout=Layout(...), batch=, seq=) takes the layout as a value.
@@ -161,7 +171,7 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
          virtual: int = 1, dtype: str = "float64", algorithm: str = "ring",
          schedule: str | None = None, balanced: bool = True, sp: bool = False,
          clip: bool = False, cluster: Cluster | None = None,
-         mixed_precision: str | None = None) -> Plan:
+         mixed_precision: str | None = None, expert_loads=None) -> Plan:
     """Memory per rank, bytes per rank per step and the bubble of training `config` on a
     dp x tp (x pp) mesh with ZeRO stage `zero`, global batch [batch, seq]; with pp > 1 the
     pipeline runs `schedule` ('gpipe', '1f1b', 'interleaved'; default 1f1b, interleaved when
@@ -176,9 +186,10 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     activations and messages (dtype is then ignored; tfcore's own mixed precision keeps
     float32 arrays holding low-precision values, chapter 18).
     cluster: a Cluster, for p.time (step_time: compute, communication, bubble, total,
-    dominant). Raises ValueError for a layout that cannot run (Layout.validate's refusals first),
+    dominant). expert_loads: an MoE's routing (see the module docstring). Raises
+    ValueError for a layout that cannot run (Layout.validate's refusals first),
     before any work."""
-    layout_buckets, ulysses = None, False
+    layout_buckets, ulysses, ep = None, False, 1
     if layout is not None:
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -195,7 +206,7 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         dp, tp, pp, cp, zero = layout.dp, layout.tp, layout.pp or 1, layout.cp or 1, layout.zero
         microbatches, virtual, schedule = layout.micro_batches, layout.virtual, layout.schedule
         algorithm, balanced, sp = layout.algorithm, layout.balanced, layout.sp
-        ulysses = layout.ulysses
+        ulysses, ep = layout.ulysses, layout.ep
         clip = layout.clip is not None
         layout_buckets = layout.bucket_bytes
     for name, value in dict(dp=dp, tp=tp, pp=pp, cp=cp, batch=batch, seq=seq,
@@ -222,10 +233,9 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
     Layout(dp=dp, tp=tp, pp=pp if pp > 1 else None, cp=cp if cp > 1 else None, zero=zero,
            micro_batches=microbatches, virtual=virtual, schedule=schedule,
            balanced=balanced, sp=sp).validate(config)   # the combinations that do not train
-    if config.n_experts:
-        raise ValueError(f"plan() prices dense decoders; this config has n_experts = "
-                         f"{config.n_experts}: an MoE step's all-to-all bytes depend on its "
-                         "routing (tfcore.parallel.experts counts them per step)")
+    if config.n_experts and cluster is not None:
+        raise ValueError("a step time prices dense decoders (sizes.step_flops); give an MoE "
+                         "config without cluster")
     if seq > config.max_seq_len:
         raise ValueError(f"seq ({seq}) exceeds the config's max_seq_len "
                          f"({config.max_seq_len})")
@@ -254,6 +264,8 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         layout["balanced"] = balanced and not ulysses
     if ulysses:
         layout["ulysses"] = True
+    if ep > 1:
+        layout["ep"] = ep
     if sp:
         layout["sp"] = True
     if clip:
@@ -273,12 +285,13 @@ def plan(config, layout: Layout | None = None, *, dp: int = 1, tp: int = 1, pp: 
         config, batch=batch, seq=seq, dp=dp, tp=tp, pp=pp, cp=cp if cp > 1 else None,
         zero=zero, sp=sp, micro_batches=microbatches, virtual=virtual, balanced=balanced,
         clip=clip, bucket_bytes=layout_buckets, algorithm=algorithm, itemsize=f,
-        rounds=rounds, ulysses=ulysses)
+        rounds=rounds, ulysses=ulysses, ep=ep, expert_loads=expert_loads)
     model = replace(config, dtype=dtype)
-    priced = not mixed_precision and dtype in ("float32", "float64") and not ulysses
+    priced = (not mixed_precision and dtype in ("float32", "float64") and not ulysses
+              and not config.n_experts)
     ring = ContextLayout(seq, cp, balanced and not ulysses) if cp > 1 else None
     micro = batch // (dp * microbatches)                         # rows of a micro-batch
-    memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero,
+    memory_per_rank = [_held(config, tp, t, pp, s, virtual, dp * cp, d * cp + c, zero, ep,
                              MIXED if mixed_precision else dict(
                                  params=f, grads=f, gathered=f, optimizer=2 * f),
                              _activations(model, micro, seq, tp, t, sp, pp, s, virtual,
@@ -331,7 +344,7 @@ def _activations(config, rows, seq, tp, t, sp, pp, s, virtual, microbatches, sch
     return peak
 
 
-def _held(config, tp, t, pp, s, virtual, data, r, zero, size, activations) -> dict:
+def _held(config, tp, t, pp, s, virtual, data, r, zero, ep, size, activations) -> dict:
     """Bytes rank (s, t), rank r of its data group, holds at the step's peak: zero_memory's
     parameters, gradients and AdamW state (its elements times size[kind], bytes per
     element), of the pipeline stage's tensors (ZeRO-1 at most with pp) or the whole
@@ -343,7 +356,7 @@ def _held(config, tp, t, pp, s, virtual, data, r, zero, size, activations) -> di
         a, b = chunk_bounds(P, data)[r]
         m = dict(params=P, grads=P, optimizer=(P if zero == 0 else b - a), gathered=0)
     else:
-        m = zero_memory(config, tp, t, data, r, zero, 1)
+        m = zero_memory(config, tp, t, data, r, zero, 1, ep)
         m["optimizer"] //= 2                          # the elements of the chunk, once
     m = {k: v * size[k] for k, v in m.items()}
     m["activations"] = activations

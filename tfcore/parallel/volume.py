@@ -21,6 +21,7 @@ evenly, every rank 2 (N-1)/N M b, where the naive root carries 2 (N-1) M b alone
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from .comm import chunk_bounds
@@ -104,23 +105,26 @@ def local_parameters(config, tp: int, t: int) -> int:
 
 
 def span_collectives(config, rows: int, seq: int, sp: bool, n_layers: int, first: bool,
-                     last: bool) -> tuple[list, list]:
+                     last: bool, moe_layers: int = 0) -> tuple[list, list]:
     """([(op, M)] forward, [(op, M)] backward): the tensor-parallel calls of one pass of a
     span of the decoder (pipeline chunk, or the whole model) over [rows, seq] tokens: the
     embedding when `first`, n_layers blocks (2 sub-layers each), the head and its
     cross-entropy when `last`. The backward runs each forward call's adjoint (an all-reduce
     for an all-reduce; sp: a reduce-scatter for an all-gather and back), and recompute='full'
-    runs each block's forward exits again."""
+    runs each block's forward exits again. moe_layers of the n_layers blocks have a mixture
+    of experts in place of the MLP, which runs whole on every tensor-parallel rank: no
+    enter and no exit."""
     act, tok = rows * seq * config.d_model, rows * seq          # [B, S, D], [B, S]
-    enters, exits = int(first) + 2 * n_layers, 2 * n_layers + int(last)
+    sublayers = 2 * n_layers - moe_layers                       # the tensor-parallel ones
+    enters, exits = int(first) + sublayers, sublayers + int(last)
     if sp:
         forward = [("reduce_scatter", act)] * enters + [("all_gather", act)] * exits
         backward = [("reduce_scatter", act)] * exits + [("all_gather", act)] * enters
-        again = [("all_gather", act), ("reduce_scatter", act)] * (2 * n_layers)
+        again = [("all_gather", act), ("reduce_scatter", act)] * sublayers
     else:
         forward = [("all_reduce", act)] * enters
         backward = [("all_reduce", act)] * exits
-        again = [("all_reduce", act)] * (2 * n_layers)
+        again = [("all_reduce", act)] * sublayers
     if last:                                                    # cross-entropy: max, sum, pick
         forward += [("all_reduce", tok)] * 3
     if config.recompute == "full":
@@ -182,13 +186,15 @@ def step_bytes(config, batch_local: int, seq: int, tp: int, dp: int, sp: bool, z
 # (stage 2) or in all three (stage 3).
 
 
-def local_shape(name: str, shape, config, tp: int, t: int) -> tuple:
+def local_shape(name: str, shape, config, tp: int, t: int, ep: int = 1) -> tuple:
     """The shape of tensor `name` on tensor-parallel rank t (model.shard_tensor's rule,
-    without allocating anything)."""
+    without allocating anything); an MoE's experts: N_E / ep of them."""
     from .parts import shard_rule
 
     shape = tuple(int(n) for n in shape)
     rule = shard_rule(name)
+    if rule == "experts":
+        return (shape[0] // ep,) + shape[1:]
     a, b = chunk_bounds(config.vocab_size, tp)[t]
     if rule == "vocab_rows":
         return (b - a,) + shape[1:]
@@ -281,7 +287,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                    micro_batches: int = 1, virtual: int = 1, balanced: bool = True,
                    clip: bool = False, bucket_bytes: int | None = None,
                    algorithm: str = "ring", itemsize: int = 8,
-                   rounds: list | None = None, ulysses: bool = False) -> list[dict]:
+                   rounds: list | None = None, ulysses: bool = False, ep: int = 1,
+                   expert_loads=None) -> list[dict]:
     """Bytes each world rank sends in one training step of any layout without gradient
     buckets, by (group, op): [{(group, op): bytes}] per world rank
     w = ((d N_P + s) N_C + c) N_T + t (mesh.py). The step, as the one decoder runs it:
@@ -328,6 +335,13 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
     data = dp * C                                          # the gradients' group
     data_name = "dp" if cp is None else ("cp" if dp == 1 else "dp x cp")
     micro = batch // dp // K                               # B_m rows
+    moe_loads = []
+    if config.n_experts and dp > 1:       # [N_D, N_E] per MoE layer: given, or even
+        moe_loads = (list(expert_loads) if expert_loads is not None else
+                     [even_expert_loads(config, dp, micro * seq)] * len(config.moe_layers))
+        if len(moe_loads) != len(config.moe_layers):
+            raise ValueError(f"expert_loads must hold one [dp, N_E] matrix per MoE layer "
+                             f"({len(config.moe_layers)}), got {len(moe_loads)}")
     shapes = config.param_shapes()
     out = []
     for d in range(dp):
@@ -348,7 +362,7 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                         by_op[(group, op)] = by_op.get((group, op), 0) + times * sent
                         steps += times * collective_rounds(op, algorithm, n)
 
-                    local = {n: math.prod(local_shape(n, shapes[n], config, tp, t))
+                    local = {n: math.prod(local_shape(n, shapes[n], config, tp, t, ep))
                              for n in names}
                     replicated = sum(M for n, M in local.items()
                                      if shard_rule(n) == "replicated")
@@ -362,7 +376,7 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                                     else L)
                         forward, backward = span_collectives(
                             config, micro, S_c, sp, n_layers, chunk == 0,
-                            chunk == pp * virtual - 1)
+                            chunk == pp * virtual - 1, len(config.moe_layers))
                         for (op, M), times in Counter(forward + backward).items():
                             add("tp", op, M, tp, t, times=times * K)
                         if sp and tp > 1 and replicated:
@@ -404,8 +418,18 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                         add(data_name, "all_reduce", 2, data, d * C + c, times=K)
                         if K > 1 and dp > 1:
                             add("dp", "all_reduce", K, dp, d, size=SCALAR)
+                    if config.n_experts and dp > 1:      # each MoE layer's exchanges
+                        for load in moe_loads:
+                            for (group, op), (sent, n) in expert_layer_traffic(
+                                    config, load, d, ep, K, itemsize, algorithm).items():
+                                by_op[(group, op)] = by_op.get((group, op), 0) + sent
+                                steps += n
+                    experts = sum(M for n, M in local.items() if shard_rule(n) == "experts")
                     gradient = zero_collectives(config, tp, t, data, zero, K,
-                                                sum(local.values()))
+                                                sum(local.values()) - (
+                                                    experts if ep > 1 else 0))
+                    if ep > 1 and dp > ep:    # the experts' over the ranks holding them
+                        add("edp", "all_reduce", experts, dp // ep, d // ep)
                     if bucket_bytes is not None and data > 1:    # all-reduced in buckets
                         gradient = [("all_reduce", sum(local[n] for n in bucket))
                                     for bucket in pack_buckets(list(local.items()), itemsize,
@@ -417,6 +441,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                     for group, op, M in clip_collectives(zero, pp) if clip else []:
                         add(data_name if group == "data" else group, op, M, *ranks[group],
                             size=SCALAR)
+                    if clip and ep > 1:          # the experts' squares, summed over ep
+                        add("ep", "all_reduce", 1, ep, d % ep, size=SCALAR)
                     out.append(by_op)
                     if rounds is not None:
                         rounds.append(steps)
@@ -492,7 +518,7 @@ def rank_activation_bytes(config, rows: int, seq: int, tp: int = 1, t: int = 0,
 
 
 def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
-                itemsize: int = 8) -> dict:
+                itemsize: int = 8, ep: int = 1) -> dict:
     """Bytes of parameters, gradients and AdamW state that rank (d, t) holds at the peak of
     a step, and the transient part of them ('gathered': the whole units in use):
 
@@ -503,6 +529,9 @@ def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
     P = P_t, Z_d the shard (shard_elements), M_max the largest phase (unit_phases): the
     units gathered at once, whose gradients the backward holds at the same moment."""
     P = local_parameters(config, tp, t)
+    if config.n_experts:         # an MoE's tensors by name: the experts split over ep
+        P = sum(math.prod(local_shape(n, s, config, tp, t, ep))
+                for n, s in config.param_shapes().items())
     if zero in (0, 1):
         c = chunk_bounds(P, dp)[d]
         opt = 2 * P if zero == 0 else 2 * (c[1] - c[0])
@@ -537,6 +566,60 @@ def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
 #   for a GELU/ReLU expert; 3 matrices for SwiGLU)
 # A skewed router makes one rank receive most of the rows: the busiest rank's received
 # bytes and expert rows, not the mean, set the step's time.
+
+
+def even_expert_loads(config, dp: int, tokens: int) -> list[list[int]]:
+    """[N_D, N_E]: each data-parallel rank's `tokens` x K assignments spread as evenly as
+    the counts allow over the N_E experts (the first (T K mod N_E) one more): the routing
+    plan() assumes when it is not given one."""
+    assignments = tokens * config.top_k
+    base, extra = divmod(assignments, config.n_experts)
+    return [[base + (e < extra) for e in range(config.n_experts)] for _ in range(dp)]
+
+
+def kept_expert_loads(config, load) -> list[list[int]]:
+    """[N_D, N_E] the assignments each expert keeps of load [N_D, N_E] (the data-parallel
+    ranks' assignments, in rank order): all of them dropless, else the first C of the whole
+    batch's in token order, C = ceil(c T K / N_E) (experts.ep_plan's rule)."""
+    L = [[int(c) for c in row] for row in load]
+    if config.capacity_factor is None:
+        return L
+    total = sum(map(sum, L))
+    cap = math.ceil(config.capacity_factor * (total // config.top_k) * config.top_k
+                    / config.n_experts)
+    kept, before = [], [0] * config.n_experts
+    for row in L:
+        kept.append([max(0, min(n, cap - b)) for n, b in zip(row, before)])
+        before = [b + n for b, n in zip(before, row)]
+    return kept
+
+
+def expert_layer_traffic(config, load, d: int, ep: int, micro_batches: int = 1,
+                         itemsize: int = 8, algorithm: str = "ring") -> dict:
+    """{(group, op): (bytes, rounds)} that data-parallel rank d sends for one MoE layer in a
+    step of K micro-batches, the layer's routing load [N_D, N_E] (assignments per rank and
+    expert): the loads' all_gather over dp (int64), dispatch and combine as all_to_allv over
+    its block of ep ranks forward (twice with recompute='full') and their adjoints backward,
+    and the auxiliary losses' all-reduced value (one element) when they are on."""
+    dp, n_e = len(load), config.n_experts
+    passes = micro_batches * (2 if config.recompute == "full" else 1)
+    out = {}
+    gather = collective_bytes("all_gather", algorithm, dp * n_e, dp, 8)["sent"][d]
+    out[("dp", "all_gather")] = (passes * gather, passes * (dp - 1 if algorithm == "ring"
+                                                             else 1))
+    if ep > 1:
+        g = d // ep * ep
+        S = expert_send_counts(kept_expert_loads(config, load)[g:g + ep], ep)
+        one = (all_to_all_bytes(S, config.d_model, itemsize)["sent"][d - g]
+               + all_to_all_bytes([list(c) for c in zip(*S)], config.d_model,
+                                  itemsize)["sent"][d - g])
+        out[("ep", "all_to_allv")] = ((passes + micro_batches) * one,
+                                      (passes + micro_batches) * 2 * (ep - 1))
+    if config.aux_loss_coef or config.z_loss_coef:
+        value = collective_bytes("all_reduce", algorithm, 1, dp, itemsize)["sent"][d]
+        out[("dp", "all_reduce")] = (passes * value, passes * (2 * (dp - 1)
+                                                               if algorithm == "ring" else 2))
+    return out
 
 
 def all_to_all_bytes(counts, row_elements: int = 1, itemsize: int = 8) -> dict:
