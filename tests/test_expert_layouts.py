@@ -32,6 +32,8 @@ LAYOUTS = {
     "ep2, clip": Layout(dp=2, ep=2, clip=0.05),
     "dp2 x tp2, ep2, clip": Layout(dp=2, tp=2, ep=2, clip=0.05),
     "dp2, zero1": Layout(dp=2, zero=1),
+    "ep2, zero1": Layout(dp=2, ep=2, zero=1),
+    "dp4, ep2, zero1, clip": Layout(dp=4, ep=2, zero=1, clip=0.05),
     "dp2, zero1, buckets": Layout(dp=2, zero=1, bucket_bytes=2048),
 }
 
@@ -57,7 +59,7 @@ CASES = [(lname, fname) for lname, layout in LAYOUTS.items()
 
 
 def test_the_matrix_covers_every_layout_and_feature():
-    assert len(CASES) >= 36, len(CASES)
+    assert len(CASES) >= 44, len(CASES)
     assert {l for l, _ in CASES} == set(LAYOUTS)
     assert {f for _, f in CASES} == set(FEATURES)
 
@@ -188,7 +190,6 @@ REFUSED = [
     (Layout(cp=2), MOE, "mixture of experts with context parallelism"),
     (Layout(tp=2, sp=True), MOE, "mixture of experts with sequence par"),
     (Layout(dp=2, zero=2), MOE, "mixture of experts with ZeRO-2/3"),
-    (Layout(dp=2, ep=2, zero=1), MOE, "expert parallelism with ZeRO-1"),
     (Layout(dp=2, ep=2, bucket_bytes=1024), MOE,
      "expert parallelism with gradient buckets"),
     (Layout(dp=2, micro_batches=2), MOE,
@@ -223,7 +224,8 @@ def test_a_world_that_does_not_fit_the_expert_layout_is_refused():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--dp", "2", "--ep", "2", "--zero", "1"], "expert parallelism with ZeRO-1"),
+    (["--dp", "2", "--ep", "2", "--bucket-bytes", "1024"],
+     "expert parallelism with gradient buckets"),
     (["--dp", "2", "--micro-batches", "2"],
      "mixture of experts with accumulation over data-parallel ranks"),
     (["--dp", "2", "--ep", "4"], "ep = 4 must divide the data-parallel degree dp = 2"),

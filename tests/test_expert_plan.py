@@ -35,6 +35,8 @@ LAYOUTS = {
     "ep4": Layout(dp=4, ep=4), "dp2 x tp2, ep2": Layout(dp=2, tp=2, ep=2),
     "ep2, clip": Layout(dp=2, ep=2, clip=0.1), "dp4, ep2, clip": Layout(dp=4, ep=2, clip=0.1),
     "dp2, zero1": Layout(dp=2, zero=1), "tp2": Layout(tp=2),
+    "ep2, zero1": Layout(dp=2, ep=2, zero=1), "dp4, ep2, zero1": Layout(dp=4, ep=2, zero=1),
+    "dp4, ep2, zero1, clip": Layout(dp=4, ep=2, zero=1, clip=0.1),
 }
 CASES = [(l, c) for l in LAYOUTS for c in CONFIGS_]
 

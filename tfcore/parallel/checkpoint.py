@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend, nn
-from .comm import chunk_bounds
 from .fsdp import ShardedDecoder
 from .model import gather_tensors, shard_tensor
 from .optimizer import ZeRO1, ZeRO23
@@ -63,8 +62,7 @@ def _view_to_local(run, values):
                 values[unit.shard_start:unit.shard_stop], unit.bounds)
         return out
     if isinstance(shard, ZeRO1):
-        n = int(model.params.data.shape[0])
-        return shard.dp.all_gather_flat(values, chunk_bounds(n, shard.dp.size))
+        return shard.local_of(values, int(model.params.data.shape[0]))
     return values
 
 

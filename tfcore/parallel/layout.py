@@ -147,9 +147,6 @@ REFUSALS: list[Refusal] = [
             lambda l, c: _moe(c) and l.zero >= 2,
             "ZeRO-2/3 shard every unit over dp, whose ranks route through the experts "
             "together (use ZeRO 0 or 1)"),
-    Refusal("expert parallelism with ZeRO-1", ("n_experts", "ep", "zero"),
-            lambda l, c: _moe(c) and l.ep > 1 and l.zero == 1,
-            "ZeRO-1 splits the flat buffer over dp, whose ranks hold different experts"),
     Refusal("expert parallelism with gradient buckets", ("n_experts", "ep", "bucket_bytes"),
             lambda l, c: _moe(c) and l.ep > 1 and l.bucket_bytes is not None,
             "the buckets all-reduce over dp, and the experts' gradients are summed over "

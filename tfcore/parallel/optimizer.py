@@ -142,8 +142,9 @@ class ZeRO1(_DataParallel):
     sharded = True
     same_on_every_rank = False
 
-    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, reduce: bool = True):
-        super().__init__(dp, tp, tp_mask, pp, counted)
+    def __init__(self, dp, tp=None, tp_mask=None, pp=None, counted=None, reduce: bool = True,
+                 experts=None):
+        super().__init__(dp, tp, tp_mask, pp, counted, experts)
         self.reduce = reduce
 
     def gradient(self, params):
@@ -158,10 +159,74 @@ class ZeRO1(_DataParallel):
         return xp.asarray(params.data[a:b], copy=True)                   # [P_d]
 
     def publish(self, params, values) -> None:
-        params.data[...] = self.dp.all_gather_flat(values, self._all_bounds(params))
+        params.data[...] = self.local_of(values, int(params.data.shape[0]))
+
+    def local_of(self, values, n: int):
+        """The whole local buffer [n] from every rank's view [Z] (collective)."""
+        return self.dp.all_gather_flat(values, chunk_bounds(n, self.dp.size))
 
     def _all_bounds(self, params):
         return chunk_bounds(int(params.data.shape[0]), self.dp.size)
+
+
+class ZeRO1Experts(ZeRO1):
+    """ZeRO-1 under expert parallelism: the experts' elements (experts.mask) differ between
+    the ranks of an ep block, so they are chunked over edp (the ranks holding the same
+    experts) and the rest over dp. The view [Z] is this rank's chunk of the dense elements,
+    then its chunk of its experts' elements; the gradient reaches it by one reduce-scatter
+    over each group, and the update is published by one all-gather over each."""
+
+    def __init__(self, dp, tp=None, tp_mask=None, experts: ExpertShards = None):
+        super().__init__(dp, tp, tp_mask, experts=experts)
+        mask = np.asarray(backend.to_numpy(experts.mask), dtype=bool)
+        self.dense_at = np.nonzero(~mask)[0]                       # [P - E] positions
+        self.experts_at = np.nonzero(mask)[0]                      # [E] positions
+        self.dense_bounds = chunk_bounds(len(self.dense_at), dp.size)
+        self.expert_bounds = chunk_bounds(len(self.experts_at), experts.edp.size)
+        a, b = self.dense_bounds[dp.rank]
+        c, d = self.expert_bounds[experts.edp.rank]
+        self.n_dense = b - a
+        self.view_at = backend.asarray(np.concatenate([self.dense_at[a:b],
+                                                       self.experts_at[c:d]]))
+        self.dense_at, self.experts_at = (backend.asarray(self.dense_at),
+                                          backend.asarray(self.experts_at))
+
+    def size(self, params) -> int:
+        self.bounds = (0, int(self.view_at.shape[0]))
+        return self.bounds[1]
+
+    def select(self, params, full):
+        return backend.namespace(full).take(full, self.view_at)
+
+    def gradient(self, params):
+        xp, grad = backend.namespace(params.grad), params.grad
+        return xp.concat([
+            self.dp.reduce_scatter_flat(xp.take(grad, self.dense_at), self.dense_bounds),
+            self.experts.edp.reduce_scatter_flat(xp.take(grad, self.experts_at),
+                                                 self.expert_bounds)])       # [Z]
+
+    def parameters(self, params):
+        return self.select(params, params.data)                             # a copy
+
+    def local_of(self, values, n: int):
+        xp = backend.namespace(values)
+        out = xp.zeros((n,), dtype=values.dtype)
+        out[self.dense_at] = self.dp.all_gather_flat(values[:self.n_dense], self.dense_bounds)
+        out[self.experts_at] = self.experts.edp.all_gather_flat(values[self.n_dense:],
+                                                                self.expert_bounds)
+        return out
+
+    def pieces(self, grad) -> list:
+        nd = self.n_dense
+        mask = self.tp_mask
+        xp = backend.namespace(grad)
+        if mask is None:
+            mask = xp.zeros((nd,), dtype=xp.bool)
+        else:
+            mask = xp.take(mask, self.view_at[:nd])
+        dense = (parallel_pieces(grad[:nd], mask, self.tp, self.dp) if self.tp is not None
+                 else [GradPiece(grad[:nd], (self.dp,))])
+        return dense + [GradPiece(grad[nd:], (self.experts.ep, self.experts.edp))]
 
 
 class ZeRO23(ShardView):

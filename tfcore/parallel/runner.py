@@ -30,7 +30,7 @@ from .grads import (
 from .layout import Layout
 from .mesh import Mesh
 from .model import TensorParallelDecoder
-from .optimizer import ExpertShards, Replicated, ZeRO1, ZeRO23, adamw
+from .optimizer import ExpertShards, Replicated, ZeRO1, ZeRO1Experts, ZeRO23, adamw
 
 
 class Run:
@@ -91,9 +91,12 @@ def build(world, config: DecoderConfig, layout: Layout, hyper: dict, mesh=None,
         experts = (None if mesh.ep is None
                    else ExpertShards(expert_mask(model), mesh.ep, mesh.edp))
         # replicated: the gradient is summed by the step (buckets, or reduce_gradients)
-        shard = (ZeRO1(data, mesh.tp, tp_mask, reduce=layout.bucket_bytes is None)
-                 if layout.zero == 1 else Replicated(data, mesh.tp, tp_mask, reduce=False,
-                                                     experts=experts))
+        if layout.zero == 1 and experts is not None:    # the experts chunked over edp
+            shard = ZeRO1Experts(data, mesh.tp, tp_mask, experts)
+        elif layout.zero == 1:
+            shard = ZeRO1(data, mesh.tp, tp_mask, reduce=layout.bucket_bytes is None)
+        else:
+            shard = Replicated(data, mesh.tp, tp_mask, reduce=False, experts=experts)
         opt = adamw(model.params, shard, hyper, clip=layout.clip)
     return Run(mesh, model, opt, shard, layout, precision=precision)
 

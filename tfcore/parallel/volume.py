@@ -429,7 +429,9 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                                                 sum(local.values()) - (
                                                     experts if ep > 1 else 0))
                     if ep > 1 and dp > ep:    # the experts' over the ranks holding them
-                        add("edp", "all_reduce", experts, dp // ep, d // ep)
+                        for op, M in zero_collectives(config, tp, t, dp // ep, zero, K,
+                                                      experts):
+                            add("edp", op, M, dp // ep, d // ep)
                     if bucket_bytes is not None and data > 1:    # all-reduced in buckets
                         gradient = [("all_reduce", sum(local[n] for n in bucket))
                                     for bucket in pack_buckets(list(local.items()), itemsize,
@@ -443,6 +445,8 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
                             size=SCALAR)
                     if clip and ep > 1:          # the experts' squares, summed over ep
                         add("ep", "all_reduce", 1, ep, d % ep, size=SCALAR)
+                        if zero == 1 and dp > ep:        # and over edp (their chunks)
+                            add("edp", "all_reduce", 1, dp // ep, d // ep, size=SCALAR)
                     out.append(by_op)
                     if rounds is not None:
                         rounds.append(steps)
@@ -535,6 +539,14 @@ def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
     if zero in (0, 1):
         c = chunk_bounds(P, dp)[d]
         opt = 2 * P if zero == 0 else 2 * (c[1] - c[0])
+        if zero == 1 and config.n_experts and ep > 1:   # the dense chunk over dp, the
+            from .parts import shard_rule                # experts' over edp (dp / ep)
+
+            E = sum(math.prod(local_shape(n, s, config, tp, t, ep))
+                    for n, s in config.param_shapes().items() if shard_rule(n) == "experts")
+            a, b = chunk_bounds(P - E, dp)[d]
+            e0, e1 = chunk_bounds(E, dp // ep)[d // ep]
+            opt = 2 * (b - a + e1 - e0)
         params, grads, gathered = P, P, 0
     elif zero in (2, 3):
         Z, M_max = shard_elements(config, tp, t, dp, d), max(unit_phases(config, tp, t))
