@@ -97,13 +97,55 @@ class Routed(NamedTuple):
     probs: object       # [T, N_E] float: the router probabilities the balancing losses read
 
 
+def check_groups(groups, n_experts: int, top_k: int):
+    """(G, M) of node-limited routing, checked: G divides N_E, 1 <= M <= G and the M groups
+    hold at least K experts; None stays None."""
+    if groups is None:
+        return None
+    if not isinstance(groups, tuple) or len(groups) != 2:
+        raise ValueError(f"groups must be (n_groups, max_groups) or None, got {groups!r}")
+    n_groups = checks.integer("n_groups", groups[0], least=1)
+    max_groups = checks.integer("max_groups", groups[1], least=1)
+    if n_experts % n_groups:
+        raise ValueError(f"the number of expert groups ({n_groups}) must divide the number of "
+                         f"experts N_E = {n_experts}")
+    if max_groups > n_groups:
+        raise ValueError(f"max_groups ({max_groups}) must be at most the number of groups "
+                         f"({n_groups})")
+    if max_groups * (n_experts // n_groups) < top_k:
+        raise ValueError(f"max_groups = {max_groups} groups of {n_experts // n_groups} experts "
+                         f"hold fewer than top_k = {top_k} experts")
+    return n_groups, max_groups
+
+
+def _limit_to_groups(select, top_k: int, groups):
+    """The selection scores [T, N_E] with every expert outside each token's M best groups
+    set to -inf: a group's score is the sum of its ceil(K / M) highest selection scores
+    (DeepSeek-V3's node-limited routing; ties: the lower group index wins)."""
+    xp = namespace(select)
+    n_groups, max_groups = groups
+    tokens, n_experts = select.shape
+    per = n_experts // n_groups
+    grouped = xp.reshape(select, (tokens, n_groups, per))               # [T, G, N_E / G]
+    take = -(-top_k // max_groups)                                      # ceil(K / M)
+    best = -xp.sort(-grouped, axis=-1)[..., :take]                      # [T, G, ceil(K/M)]
+    order = xp.argsort(-xp.sum(best, axis=-1), axis=-1, stable=True)    # [T, G]
+    kept = xp.sum(_one_hot(order[:, :max_groups], n_groups, xp.int64), axis=1) > 0   # [T, G]
+    allowed = xp.reshape(xp.broadcast_to(kept[:, :, None], (tokens, n_groups, per)),
+                         (tokens, n_experts))
+    return xp.where(allowed, select, xp.full_like(select, -math.inf))
+
+
 def router_forward(logits, top_k: int, score: str = "softmax", normalize: bool | None = None,
-                   bias=None):
+                   bias=None, groups=None):
     """Top-k routing of T tokens over N_E experts (the module docstring states the rules).
 
     logits [T, N_E]; top_k an integer in [1, N_E]; score 'softmax' | 'sigmoid'; normalize
     True / False / None (None: True for sigmoid, False for softmax); bias [N_E] or None, the
-    selection bias (selection only, never the gates)
+    selection bias (selection only, never the gates); groups (G, M) or None: node-limited
+    routing, the N_E experts in G groups of consecutive experts (a node's, or an expert-
+    parallel rank's) and each token's K experts taken from its M best groups only
+    (_limit_to_groups: the selection is still a constant of the backward)
     ->  Routed(gates [T, K], experts [T, K] int64, probs [T, N_E]), cache.
     The logits (and the bias) must be finite: a nan would make the selection meaningless.
     """
@@ -118,6 +160,7 @@ def router_forward(logits, top_k: int, score: str = "softmax", normalize: bool |
     if normalize is None:
         normalize = score == "sigmoid"
     normalize = checks.boolean("normalize", normalize)
+    groups = check_groups(groups, n_experts, top_k)
     if bias is not None:
         checks.shape("bias", bias, (n_experts,))
         if not bool(xp.all(xp.isfinite(bias))):
@@ -134,6 +177,8 @@ def router_forward(logits, top_k: int, score: str = "softmax", normalize: bool |
         ssum = xp.sum(scores, axis=-1, keepdims=True)                   # [T, 1]
         probs = scores / ssum
     select = scores if bias is None else scores + bias                  # [T, N_E]
+    if groups is not None:
+        select = _limit_to_groups(select, top_k, groups)
     order = xp.argsort(-select, axis=-1, stable=True)                   # ties: lower index first
     experts = xp.astype(order[:, :top_k], xp.int64)                     # [T, K]
     mask = _one_hot(experts, n_experts, logits.dtype)                   # [T, K, N_E]

@@ -34,6 +34,7 @@ from .. import backend, checks
 from .. import functional as F
 from .. import nn
 from ..backend import FLOAT_DTYPES
+from ..functional.moe import check_groups
 from ..functional.rope import rope_tables
 from .blocks import ATTENTIONS, MLPS, PLACEMENTS, BlockSpec, block_backward, block_forward, block_param_shapes
 from .blocks import replayable
@@ -111,6 +112,8 @@ class DecoderConfig:
     z_loss_coef: float = 0.0         # beta of the router z-loss
     aux_loss: str = "batch"          # "batch" (Switch/GShard) | "sequence" (DeepSeek)
     d_expert: int | None = None      # an expert's hidden width; None: d_ff
+    expert_groups: int = 1           # node-limited routing: the experts in this many groups
+    group_limit: int | None = None   # ... and each token's experts from its best this many
 
     def __post_init__(self):
         if self.d_ff is None and isinstance(self.d_model, int):
@@ -223,6 +226,13 @@ class DecoderConfig:
         if self.top_k > n_experts:
             raise ValueError(f"top_k ({self.top_k}) must be at most n_experts ({n_experts}): "
                              "each token picks top_k distinct experts")
+        count("expert_groups", 1)
+        if self.group_limit is not None:
+            count("group_limit", 1)
+            check_groups((self.expert_groups, self.group_limit), n_experts, self.top_k)
+        elif self.expert_groups != 1:
+            raise ValueError(f"expert_groups = {self.expert_groups} needs group_limit (the "
+                             "most groups a token's experts come from)")
         if self.moe_every > self.n_layers:
             raise ValueError(f"moe_every ({self.moe_every}) must be at most n_layers "
                              f"({self.n_layers}), or no block would be a mixture of experts")
@@ -244,7 +254,9 @@ class DecoderConfig:
                        normalize=self.renormalize, n_shared=self.n_shared_experts,
                        capacity_factor=self.capacity_factor,
                        aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
-                       balance=self.aux_loss)
+                       balance=self.aux_loss,
+                       groups=(None if self.group_limit is None
+                               else (self.expert_groups, self.group_limit)))
 
     def layer_spec(self, i: int) -> BlockSpec:
         """Block h{i}'s spec: block_spec(), with the MoE settings where h{i} is MoE."""

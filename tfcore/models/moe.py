@@ -52,6 +52,7 @@ class MoESpec:
     aux_loss_coef: float = 0.0       # alpha
     z_loss_coef: float = 0.0         # beta
     balance: str = "batch"           # "batch" (Switch) | "sequence" (DeepSeek)
+    groups: tuple | None = None      # (G, M): each token's experts from its M best of G groups
 
 
 def moe_param_shapes(prefix: str, spec, moe: MoESpec) -> dict[str, tuple[int, ...]]:
@@ -220,7 +221,7 @@ def moe_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False, g
     rows = xp.reshape(x, (batch * seq, width))                          # [T, D]
     z, c_lin = nn.linear_forward(params, prefix + ".router", rows)      # [T, N_E]
     routed, c_router = M.router_forward(z, moe.top_k, moe.router, moe.normalize,
-                                        _param(params, prefix + ".select.b"))
+                                        _param(params, prefix + ".select.b"), moe.groups)
     xe, c_dispatch, plan, routing = _dispatch(rows, routed, moe, groups)   # [N_E, C, D]
     e = prefix + ".experts"
     ye, c_experts = M.expert_mlp_forward(

@@ -277,13 +277,14 @@ class EPMoECache(NamedTuple):
 
 def ep_moe_forward(x, W_router, experts: dict, comm, top_k: int, *, score: str = "softmax",
                    normalize=None, bias=None, capacity_factor=None, activation: str = "gelu",
-                   approximate: str = "tanh"):
+                   approximate: str = "tanh", groups=None):
     """One MoE layer with its experts sharded over comm (collective).
 
     x [T_r, D] this rank's tokens; W_router [D, N_E] (the same on every rank); experts
     {'W_fc' [E_l, D, F], 'b_fc' [E_l, F] or None, 'W_proj' [E_l, F, D], 'b_proj' [E_l, D]
     or None, 'W_gate' [E_l, D, F] and 'b_gate' [E_l, F] (swiglu only)}: this rank's experts
     r E_l .. (r+1) E_l - 1; the routing settings as in tfcore.functional.moe.router_forward
+    (groups (N, M): node-limited routing, each token's experts on at most M of the N ranks)
     -> y [T_r, D], cache. Every argument is checked before anything is sent.
     """
     checks.float_inputs(x=x, W_router=W_router, bias=bias)
@@ -316,7 +317,7 @@ def ep_moe_forward(x, W_router, experts: dict, comm, top_k: int, *, score: str =
                          f"got activation {activation!r} and W_gate "
                          f"{'given' if experts.get('W_gate') is not None else 'absent'}")
     z = matmul(x, W_router, "moe")                                      # [T_r, N_E]
-    routed, c_router = M.router_forward(z, top_k, score, normalize, bias)
+    routed, c_router = M.router_forward(z, top_k, score, normalize, bias, groups)
     plan = ep_plan(routed.experts, comm, n_experts, capacity_factor)
     xe, c_dispatch = ep_dispatch_forward(x, plan)                       # [E_l, C, D]
     ye, c_experts = M.expert_mlp_forward(
