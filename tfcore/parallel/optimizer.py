@@ -50,6 +50,24 @@ class ExpertShards(NamedTuple):
     ep: object
     edp: object
 
+    def positions(self):
+        """(dense [P - E], experts [E]): the flat buffer's positions of each kind, int64."""
+        mask = np.asarray(backend.to_numpy(self.mask), dtype=bool)
+        return (backend.asarray(np.nonzero(~mask)[0].astype(np.int64)),
+                backend.asarray(np.nonzero(mask)[0].astype(np.int64)))
+
+
+def _place(xp, n: int, parts, dtype):
+    """[n] with each (positions, values) of `parts` written at its positions (a scatter into
+    zeros: the positions are disjoint; every array library takes it)."""
+    out = xp.zeros((n,), dtype=dtype)
+    for at, values in parts:
+        if backend.is_numpy(out) or backend.is_cupy(out):
+            out[at] = values                                # in place, no accumulation
+        else:
+            out = backend.scatter_add(out, at, values)
+    return out
+
 
 class _DataParallel(ShardView):
     """A contiguous range (a, b) of the flat buffers over the data-parallel group dp."""
@@ -121,12 +139,16 @@ class Replicated(_DataParallel):
             if self.dp.size > 1:
                 params.grad[...] = self.dp.all_reduce(params.grad)
             return
-        xp = backend.namespace(params.grad)
-        mine = self.experts.mask
-        others = xp.logical_not(mine)
-        params.grad[others] = self.dp.all_reduce(params.grad[others])
+        xp, grad = backend.namespace(params.grad), params.grad
+        if not hasattr(self, "_positions"):
+            self._positions = self.experts.positions()
+        dense_at, experts_at = self._positions
+        dense = self.dp.all_reduce(xp.take(grad, dense_at))
+        experts = xp.take(grad, experts_at)
         if self.experts.edp.size > 1:
-            params.grad[mine] = self.experts.edp.all_reduce(params.grad[mine])
+            experts = self.experts.edp.all_reduce(experts)
+        grad[...] = _place(xp, grad.shape[0], [(dense_at, dense), (experts_at, experts)],
+                           grad.dtype)
 
     def gradient(self, params):
         if self.reduce:
@@ -178,18 +200,14 @@ class ZeRO1Experts(ZeRO1):
 
     def __init__(self, dp, tp=None, tp_mask=None, experts: ExpertShards = None):
         super().__init__(dp, tp, tp_mask, experts=experts)
-        mask = np.asarray(backend.to_numpy(experts.mask), dtype=bool)
-        self.dense_at = np.nonzero(~mask)[0]                       # [P - E] positions
-        self.experts_at = np.nonzero(mask)[0]                      # [E] positions
-        self.dense_bounds = chunk_bounds(len(self.dense_at), dp.size)
-        self.expert_bounds = chunk_bounds(len(self.experts_at), experts.edp.size)
+        self.dense_at, self.experts_at = experts.positions()       # [P - E], [E]
+        self.dense_bounds = chunk_bounds(int(self.dense_at.shape[0]), dp.size)
+        self.expert_bounds = chunk_bounds(int(self.experts_at.shape[0]), experts.edp.size)
         a, b = self.dense_bounds[dp.rank]
         c, d = self.expert_bounds[experts.edp.rank]
         self.n_dense = b - a
-        self.view_at = backend.asarray(np.concatenate([self.dense_at[a:b],
-                                                       self.experts_at[c:d]]))
-        self.dense_at, self.experts_at = (backend.asarray(self.dense_at),
-                                          backend.asarray(self.experts_at))
+        xp = backend.namespace(self.dense_at)
+        self.view_at = xp.concat([self.dense_at[a:b], self.experts_at[c:d]])   # [Z]
 
     def size(self, params) -> int:
         self.bounds = (0, int(self.view_at.shape[0]))
@@ -210,11 +228,10 @@ class ZeRO1Experts(ZeRO1):
 
     def local_of(self, values, n: int):
         xp = backend.namespace(values)
-        out = xp.zeros((n,), dtype=values.dtype)
-        out[self.dense_at] = self.dp.all_gather_flat(values[:self.n_dense], self.dense_bounds)
-        out[self.experts_at] = self.experts.edp.all_gather_flat(values[self.n_dense:],
-                                                                self.expert_bounds)
-        return out
+        dense = self.dp.all_gather_flat(values[:self.n_dense], self.dense_bounds)
+        experts = self.experts.edp.all_gather_flat(values[self.n_dense:], self.expert_bounds)
+        return _place(xp, n, [(self.dense_at, dense), (self.experts_at, experts)],
+                      values.dtype)
 
     def pieces(self, grad) -> list:
         nd = self.n_dense
