@@ -5,7 +5,8 @@ one device in float64 (losses, every gradient of the last step, and the paramete
 each update, relative 1e-12). The routing of a layout is one device's: capacity and drops
 follow the whole batch's token order (the loads are gathered over the data-parallel
 ranks), and the auxiliary losses use the whole batch's statistics. The cases are generated
-from the lists below and the validation; the count is observed.
+from the lists below and the validation; the count is observed. MPI_CASES run the same way on
+four processes under one `mpiexec -n 4` (tests/mpi_layouts.py), skipped without mpiexec.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tfcore.parallel.layout import LayoutError
 
 STEPS, BATCH, SEQ = 3, 8, 8
 TOL = 1e-12
+MPI_TIMEOUT = 300     # seconds for one mpiexec -n 4 (four processes on 2 cores)
 
 LAYOUTS = {
     "dp2": Layout(dp=2),
@@ -51,7 +53,8 @@ FEATURES = {
         vocab_size=29, max_seq_len=16, d_model=16, n_layers=2, n_heads=4, d_ff=24,
         dtype="float64", n_experts=4, top_k=1, d_expert=8, n_shared_experts=1, moe_every=2,
         capacity_factor=1.25),
-    "dropout": DecoderConfig(**BASE, dropout=0.1, aux_loss_coef=0.05),
+    # (its name is not the dense matrix's "dropout": tests/mpi_layouts.py runs both's cases)
+    "dropout, aux": DecoderConfig(**BASE, dropout=0.1, aux_loss_coef=0.05),
 }
 
 CASES = [(lname, fname) for lname, layout in LAYOUTS.items()
@@ -249,3 +252,71 @@ def test_the_command_line_trains_expert_parallel_equal_to_one_device(tmp_path, c
     assert "ep=2" in text and "one device: max relative difference" in text
     ref = train_single(FEATURES["softmax, capacity, aux"], 3, 8, 8)
     assert _rel(np.load(out)["losses"], ref["losses"]) < TOL
+
+
+# -- real processes ------------------------------------------------------------------------
+
+MPI_CASES = [
+    "ep4 | llama, shared, every 2nd",
+    "dp4, ep2 | dropout, aux",
+    "dp2 x tp2, ep2 | softmax, capacity, aux",
+    "dp2 x tp2, ep2 | sigmoid, sequence-wise",
+    "dp2 x tp2, ep2, clip | softmax, capacity, aux",
+    "dp4, ep2, zero1, clip | sigmoid, sequence-wise",
+]
+
+
+def test_the_mpi_runner_finds_the_cases_of_both_matrices():
+    """tests/mpi_layouts.py merges this matrix's names with tests/test_layout_matrix.py's:
+    a layout name in both is one layout, a feature name is in one only, and every case of
+    either resolves to its own matrix's model and sizes."""
+    import sys
+
+    import mpi_layouts
+    import test_layout_matrix as dense
+
+    for name in set(LAYOUTS) & set(dense.LAYOUTS):
+        assert LAYOUTS[name] == dense.LAYOUTS[name], name
+    assert not set(FEATURES) & set(dense.FEATURES)
+    for matrix in (dense, sys.modules[__name__]):
+        for lname, fname in matrix.CASES:
+            layout, config, steps, batch, seq = mpi_layouts.resolve(f"{lname} | {fname}")
+            assert (layout, config) == (matrix.LAYOUTS[lname], matrix.FEATURES[fname])
+            assert (steps, batch, seq) == (matrix.STEPS, matrix.BATCH, matrix.SEQ)
+    with pytest.raises(ValueError, match="collides"):
+        mpi_layouts.merge(FEATURES, {"dropout, aux": dense.FEATURES["dropout"]},
+                          equal_ok=False)
+    with pytest.raises(ValueError, match="a case of neither matrix"):
+        mpi_layouts.resolve("ep2 | gpt")
+
+
+def test_expert_layouts_under_mpi_equal_one_device(tmp_path):
+    """One `mpiexec -n 4` trains MPI_CASES on four processes (MPIComm: the loads'
+    all-gather and the dispatch and combine all-to-alls over real messages), each equal to
+    one device (losses and parameters after 3 AdamW steps, relative 1e-12)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mpi4py")
+    mpiexec = (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+               or shutil.which("mpiexec"))
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    assert all(LAYOUTS[c.split(" | ")[0]].world_size == 4 for c in MPI_CASES)
+    assert all(tuple(c.split(" | ")) in CASES for c in MPI_CASES)
+    here = Path(__file__).parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    out = tmp_path / "out.npz"
+    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(here / "mpi_layouts.py"),
+                           str(out), *MPI_CASES], capture_output=True, text=True,
+                          timeout=MPI_TIMEOUT, env=env, cwd=here)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = np.load(out)
+    for i, case in enumerate(MPI_CASES):
+        lname, fname = case.split(" | ")
+        ref = _reference(fname, LAYOUTS[lname].clip)
+        assert _rel(saved[f"{i}_losses"], ref["losses"]) < TOL, case
+        assert _rel(saved[f"{i}_params"], ref["params"]) < TOL, case
