@@ -388,6 +388,8 @@ def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
     if rule is None:                 # a size: the batch, the sequence, the world
         text = str(err)
         field = ("batch_size" if "global batch" in text else
+                 "n_experts" if "number of experts N_E" in text else
+                 "ep" if "expert-parallel degree" in text else
                  "seq_len" if "seq" in text else parallel_field(config))
         return ConfigError(field, text)
     field = next((f for f in rule.fields if f in LAYOUT_FIELDS + ("clip",)
@@ -1286,7 +1288,7 @@ def _main(argv) -> int:
 
     def session(world):
         if args.resume:
-            trainer = Trainer.from_checkpoint(args.resume, world,
+            trainer = Trainer.from_checkpoint(args.resume, world, steps=config.steps,
                                               **{k: getattr(config, k) for k in FREE_FIELDS})
         else:
             trainer = Trainer(config, world)
