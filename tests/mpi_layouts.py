@@ -1,12 +1,12 @@
 """Run under `mpiexec -n N python tests/mpi_layouts.py OUT.npz CASE ...`: each CASE
-("layout | feature", a case of tests/test_layout_matrix.py or of tests/test_expert_layouts.py
-whose layout has N ranks) trains its AdamW steps on N processes (MPIComm, ring collectives
-over point-to-point messages); rank 0 saves each case's losses and parameters for
-tests/test_layout_matrix_mpi.py and tests/test_expert_layouts.py.
+("layout | feature", a case of tests/test_layout_matrix.py, tests/test_expert_layouts.py or
+tests/test_ulysses_layouts.py whose layout has N ranks) trains its AdamW steps on N
+processes (MPIComm, ring collectives over point-to-point messages); rank 0 saves each
+case's losses and parameters for the tests of those files that run it.
 
-The two matrices' LAYOUTS and FEATURES are merged: a layout name both use must name the
-same layout, and no feature name is in both (merge() refuses either). A case's feature
-names its matrix, which gives its steps, batch and sequence length (the matrices differ)."""
+The matrices' LAYOUTS and FEATURES are merged: a name two of them use must name the same
+layout or model (merge() refuses otherwise). A case belongs to the matrix that lists it,
+which gives its steps, batch and sequence length (the matrices differ)."""
 from __future__ import annotations
 
 import sys
@@ -15,8 +15,9 @@ import numpy as np
 
 import test_expert_layouts
 import test_layout_matrix
+import test_ulysses_layouts
 
-MATRICES = (test_layout_matrix, test_expert_layouts)
+MATRICES = (test_layout_matrix, test_expert_layouts, test_ulysses_layouts)
 
 
 def merge(*dicts: dict, equal_ok: bool) -> dict:
@@ -32,17 +33,16 @@ def merge(*dicts: dict, equal_ok: bool) -> dict:
 
 
 LAYOUTS = merge(*(m.LAYOUTS for m in MATRICES), equal_ok=True)
-FEATURES = merge(*(m.FEATURES for m in MATRICES), equal_ok=False)
-MATRIX_OF = {fname: m for m in MATRICES for fname in m.FEATURES}
+FEATURES = merge(*(m.FEATURES for m in MATRICES), equal_ok=True)
 
 
 def resolve(case: str):
     """"layout | feature" -> (layout, config, steps, batch, seq): a case its matrix trains
     (one that Layout.validate accepts), or a ValueError naming it."""
     lname, fname = case.split(" | ")
-    matrix = MATRIX_OF.get(fname)
-    if matrix is None or (lname, fname) not in matrix.CASES:
-        raise ValueError(f"{case!r} is a case of neither matrix")
+    matrix = next((m for m in MATRICES if (lname, fname) in m.CASES), None)
+    if matrix is None:
+        raise ValueError(f"{case!r} is a case of no matrix")
     return LAYOUTS[lname], FEATURES[fname], matrix.STEPS, matrix.BATCH, matrix.SEQ
 
 

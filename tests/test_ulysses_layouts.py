@@ -20,14 +20,15 @@ STEPS, BATCH, SEQ = 3, 4, 8
 TOL = 1e-12
 
 LAYOUTS = {
-    "cp2": Layout(cp=2, ulysses=True),
-    "cp4": Layout(cp=4, ulysses=True),
-    "tp2 x cp2": Layout(tp=2, cp=2, ulysses=True),
-    "tp2 x cp2, sp": Layout(tp=2, cp=2, sp=True, ulysses=True),
-    "dp2 x cp2, zero1": Layout(dp=2, cp=2, zero=1, ulysses=True),
-    "dp2 x cp2, zero3": Layout(dp=2, cp=2, zero=3, ulysses=True),
-    "pp2 x cp2": Layout(pp=2, cp=2, micro_batches=2, ulysses=True),
-    "dp2 x cp2, K=2, clip": Layout(dp=2, cp=2, micro_batches=2, clip=0.05, ulysses=True),
+    "ulysses cp2": Layout(cp=2, ulysses=True),
+    "ulysses cp4": Layout(cp=4, ulysses=True),
+    "tp2 x ulysses cp2": Layout(tp=2, cp=2, ulysses=True),
+    "tp2 x ulysses cp2, sp": Layout(tp=2, cp=2, sp=True, ulysses=True),
+    "dp2 x ulysses cp2, zero1": Layout(dp=2, cp=2, zero=1, ulysses=True),
+    "dp2 x ulysses cp2, zero3": Layout(dp=2, cp=2, zero=3, ulysses=True),
+    "pp2 x ulysses cp2": Layout(pp=2, cp=2, micro_batches=2, ulysses=True),
+    "dp2 x ulysses cp2, K=2, clip": Layout(dp=2, cp=2, micro_batches=2, clip=0.05,
+                                           ulysses=True),
 }
 
 BASE = dict(vocab_size=31, max_seq_len=16, d_model=16, n_layers=2, n_heads=4, d_ff=32,
@@ -89,11 +90,11 @@ def _ops(world, config, layout):
 
 def test_ulysses_runs_all_to_alls_not_the_ring():
     config = FEATURES["gpt"]
-    ulysses = SimulatedGroup(2).run(_ops, config, LAYOUTS["cp2"])[0]
+    ulysses = SimulatedGroup(2).run(_ops, config, LAYOUTS["ulysses cp2"])[0]
     ring = SimulatedGroup(2).run(_ops, config, Layout(cp=2))[0]
     assert any(op == "all_to_all" for _, op in ulysses)
     assert not any(op == "all_to_all" for _, op in ring)
-    assert plan(config, LAYOUTS["cp2"], batch=BATCH, seq=SEQ).traffic.get(
+    assert plan(config, LAYOUTS["ulysses cp2"], batch=BATCH, seq=SEQ).traffic.get(
         "cp all_to_all", 0) > 0
 
 
@@ -124,3 +125,38 @@ def test_the_command_line_trains_ulysses_equal_to_one_device(capsys):
                      "--quiet-times"]) == 0
     text = capsys.readouterr().out
     assert "Ulysses attention" in text and "one device: max relative difference" in text
+
+
+MPI_CASES = ["ulysses cp4 | gqa", "tp2 x ulysses cp2 | llama", "tp2 x ulysses cp2, sp | tiled",
+             "dp2 x ulysses cp2, zero1 | mqa", "pp2 x ulysses cp2 | recompute full",
+             "dp2 x ulysses cp2, K=2, clip | gpt"]
+
+
+def test_ulysses_layouts_under_mpi_equal_one_device(tmp_path):
+    """One `mpiexec -n 4` trains MPI_CASES on four processes (the all-to-alls over real
+    messages), each equal to one device in float64 at 1e-12."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mpi4py")
+    here = Path(__file__).parent
+    mpiexec = (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+               or shutil.which("mpiexec"))
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    assert all(LAYOUTS[c.split(" | ")[0]].world_size == 4 for c in MPI_CASES)
+    out = tmp_path / "out.npz"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(here / "mpi_layouts.py"),
+                           str(out), *MPI_CASES], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=here)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = np.load(out)
+    for i, case in enumerate(MPI_CASES):
+        lname, fname = case.split(" | ")
+        ref = _reference(fname, LAYOUTS[lname].clip)
+        assert _rel(saved[f"{i}_losses"], ref["losses"]) < TOL, case
+        assert _rel(saved[f"{i}_params"], ref["params"]) < TOL, case
