@@ -160,3 +160,17 @@ def test_ulysses_layouts_under_mpi_equal_one_device(tmp_path):
         ref = _reference(fname, LAYOUTS[lname].clip)
         assert _rel(saved[f"{i}_losses"], ref["losses"]) < TOL, case
         assert _rel(saved[f"{i}_params"], ref["params"]) < TOL, case
+
+
+def test_the_ulysses_picture_is_the_all_to_all():
+    """viz.parallel.ulysses_layout_data runs the all-to-all: rank r starts with positions
+    r S/N .. of every head and ends with heads r H/N .. of every position, having sent the
+    (N - 1)/N of its entries that belong elsewhere."""
+    from tfcore.viz.parallel import ulysses_layout_data
+
+    n, seq, heads = 4, 16, 8
+    data = ulysses_layout_data(n, seq, heads)
+    for r in range(n):
+        assert (data["before"][:, r * seq // n:(r + 1) * seq // n] == r).all()
+        assert (data["after"][r * heads // n:(r + 1) * heads // n, :] == r).all()
+    assert data["moved"] == [heads * seq // n * (n - 1) // n] * n

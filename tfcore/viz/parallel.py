@@ -10,6 +10,8 @@ numbers and show the drawing, so a picture cannot disagree with the code it desc
     zero1_layout(params, dp)           the real ZeRO-1 chunk bounds over a parameter buffer
     ring_rotation_data(n, seq, ...)    run ring attention; whose K/V each rank holds per step
     mesh3d_coords(dp, pp, tp)          build the DP x PP x TP mesh; every rank's three groups
+    ulysses_layout_data(n, seq, heads) run Ulysses's all-to-all; which rank holds each
+                                       (head, position) before and after
 
 The pipeline timeline (draw_timeline) draws what tfcore.parallel.pipeline.measure_timeline
 returns. viz sits above parallel in the layering: it imports tfcore.parallel, never the
@@ -599,3 +601,49 @@ def draw_mesh3d(ax, ranks: list[dict]) -> None:
     ax.set_ylim(-(tp - 1) - 1.2, 1.0)
     ax.set_aspect("equal")
     ax.axis("off")
+
+
+# ---------------------------------------------------------------------------------------
+# Ulysses: sequence-sharded -> head-sharded by one all-to-all
+
+
+def ulysses_layout_data(n: int, seq: int, heads: int) -> dict:
+    """Run the all-to-all Ulysses sends q with (tfcore.parallel.mappings.all_to_all_forward,
+    the head axis split, the sequence axis joined) on n simulated ranks, each entry of q
+    holding the rank it starts on: -> {'before' [H, S], 'after' [H, S]: the rank holding
+    each (head, position) before and after, 'moved' [n]: entries each rank sent}."""
+    from ..parallel import mappings
+
+    def body(comm):
+        r = comm.rank
+        xp = backend.xp()
+        mine = xp.full((1, heads, seq // n, 1), float(r))               # [B, H, S/N, 1]
+        out, _ = mappings.all_to_all_forward(mine, comm, 1, 2)          # [B, H/N, S, 1]
+        return np.asarray(backend.to_numpy(out))[0, :, :, 0]
+
+    group = SimulatedGroup(n)
+    blocks = group.run(body)                        # rank r: heads r H/N .., every position
+    before = np.repeat(np.arange(n), seq // n)[None, :].repeat(heads, axis=0)
+    after = np.concatenate([np.full(b.shape, r) for r, b in enumerate(blocks)], axis=0)
+    came_from = np.concatenate(blocks, axis=0)      # the rank each entry started on
+    assert np.array_equal(came_from, before)        # the all-to-all moved every entry whole
+    moved = [t.sent // 8 for t in group.traffic]    # float64 entries
+    return dict(before=before, after=after, moved=moved, n=n)
+
+
+def draw_ulysses_layout(axes, data: dict) -> None:
+    """Two grids of heads x positions coloured by the rank holding each entry: before (each
+    rank a block of positions, every head) and after the all-to-all (a block of heads,
+    every position)."""
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap([_rank_colour(r) for r in range(data["n"])])
+    for ax, key, title in zip(axes, ("before", "after"),
+                              ("before: S/N positions, all heads",
+                               "after: H/N heads, all positions")):
+        grid = data[key]
+        ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=data["n"] - 0.5, aspect="auto")
+        ax.set_xlabel("position", fontsize=8)
+        ax.set_ylabel("head", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=7)
