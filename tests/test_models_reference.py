@@ -354,6 +354,9 @@ FIELD_ROWS = {
     "z_loss_coef": ({"n_experts": 4}, 0.5, "moe"),
     "aux_loss": ({"n_experts": 4}, "sequence", "moe"),
     "d_expert": ({"n_experts": 4}, 6, "moe"),
+    "expert_groups": ({"n_experts": 4, "top_k": 2, "group_limit": 1}, 2, "moe"),
+    "group_limit": ({"n_experts": 4, "top_k": 2, "expert_groups": 2, "group_limit": 2}, 1,
+                    "moe"),
 }
 
 
