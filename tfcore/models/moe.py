@@ -85,19 +85,6 @@ def moe_param_shapes(prefix: str, spec, moe: MoESpec) -> dict[str, tuple[int, ..
     return shapes
 
 
-class ExpertGroups(NamedTuple):
-    """Where an MoE sublayer's tokens and experts are, under a parallel layout.
-
-    tokens: the group whose ranks hold the batch's tokens in order (the data-parallel
-    group): capacity, drops and the auxiliary losses' statistics span it, as they span one
-    device's batch. ep: the expert-parallel group, a block of consecutive ranks of tokens
-    (tfcore.parallel.experts.expert_parallel_group), over which the experts are sharded
-    and the tokens sent with all-to-alls (size 1: every rank holds every expert)."""
-
-    tokens: object
-    ep: object
-
-
 class MoECache(NamedTuple):
     """What the MoE sublayer's backward needs, and what the model reads from its forward."""
 
@@ -115,7 +102,7 @@ class MoECache(NamedTuple):
     routing: dict               # load, kept_load [N_E] and capacity of the whole batch;
                                 # load_by_rank [N_D, N_E] (host under a layout)
     experts: object             # [T, K] the selection
-    groups: ExpertGroups | None
+    groups: object              # the layout's expert seam, or None (one device)
 
 
 def _shared_forward(params, prefix, rows, spec):
@@ -151,32 +138,22 @@ def _param(params, name):
 
 def _dispatch(rows, routed, moe, groups):
     """-> (xe [N_E or E_l, C, D], c_dispatch, plan, routing): one device's dispatch, or the
-    expert-parallel one (tfcore.parallel.experts) over groups."""
+    layout's (groups: the parts' expert seam, tfcore.parallel.experts.ExpertGroups)."""
+    if groups is not None:
+        plan, routing = groups.plan(routed.experts, moe)
+        return (*groups.dispatch_forward(rows, plan), plan, routing)
     xp = namespace(rows)
-    if groups is None:
-        plan = M.moe_plan(routed.experts, moe.n_experts, moe.capacity_factor)
-        xe, c_dispatch = M.moe_dispatch_forward(rows, plan)
-        return xe, c_dispatch, plan, dict(load=plan.load, kept_load=plan.kept_load,
-                                          capacity=plan.capacity, tokens=plan.n_tokens,
-                                          load_by_rank=xp.expand_dims(plan.load, axis=0))
-    from ..parallel import experts as EP          # the layer above: imported when used
-
-    plan = EP.ep_plan(routed.experts, groups.ep, moe.n_experts, moe.capacity_factor,
-                      tokens=groups.tokens)
-    xe, c_dispatch = EP.ep_dispatch_forward(rows, plan)
-    load, kept = plan.load.sum(axis=0), plan.kept.sum(axis=0)             # [N_E] host
-    capacity = plan.capacity if moe.capacity_factor is not None else int(load.max())
-    return xe, c_dispatch, plan, dict(load=xp.asarray(load), kept_load=xp.asarray(kept),
-                                      capacity=capacity, tokens=int(load.sum()) // moe.top_k,
-                                      load_by_rank=plan.load)
+    plan = M.moe_plan(routed.experts, moe.n_experts, moe.capacity_factor)
+    xe, c_dispatch = M.moe_dispatch_forward(rows, plan)
+    return xe, c_dispatch, plan, dict(load=plan.load, kept_load=plan.kept_load,
+                                      capacity=plan.capacity, tokens=plan.n_tokens,
+                                      load_by_rank=xp.expand_dims(plan.load, axis=0))
 
 
 def _combine(ye, gates, plan, groups):
     if groups is None:
         return M.moe_combine_forward(ye, gates, plan)
-    from ..parallel import experts as EP
-
-    return EP.ep_combine_forward(ye, gates, plan)
+    return groups.combine_forward(ye, gates, plan)
 
 
 def _aux_losses(z, routed, moe, shape, routing, groups):
@@ -214,7 +191,9 @@ def _aux_losses(z, routed, moe, shape, routing, groups):
 def moe_sublayer_forward(params, prefix, x, spec, *, rng=None, training=False, groups=None):
     """x [B, S, D] -> out [B, S, D] (see the module docstring); the cache is an MoECache
     whose aux_loss the model adds to its loss. groups: None on one device; under a layout
-    the ExpertGroups of this rank (params then hold its experts, E_l = N_E / ep of them)."""
+    the parts' expert seam (tfcore.parallel.experts.ExpertGroups: its plan, dispatch and
+    combine, its token group `tokens`), and params then hold this rank's E_l = N_E / ep
+    experts."""
     moe = spec.moe
     xp = namespace(x)
     batch, seq, width = x.shape
@@ -258,9 +237,7 @@ def moe_sublayer_backward(params, prefix, dout, cache: MoECache, spec):
     if c.groups is None:
         dye, dgates = M.moe_combine_backward(dy, c.c_combine)
     else:
-        from ..parallel import experts as EP
-
-        dye, dgates = EP.ep_combine_backward(dy, c.c_combine)
+        dye, dgates = c.groups.combine_backward(dy, c.c_combine)
     e = prefix + ".experts"
     dxe, dW_fc, db_fc, dW_proj, db_proj, dW_gate, db_gate = M.expert_mlp_backward(
         dye, c.c_experts)
@@ -269,7 +246,7 @@ def moe_sublayer_backward(params, prefix, dout, cache: MoECache, spec):
         if grad is not None:
             nn.accumulate(params, f"{e}.{name}", grad)
     drows = (M.moe_dispatch_backward(dxe, c.c_dispatch) if c.groups is None
-             else EP.ep_dispatch_backward(dxe, c.c_dispatch))            # [T, D]
+             else c.groups.dispatch_backward(dxe, c.c_dispatch))         # [T, D]
     dx = drows if dx is None else dx + drows
     dprobs = None
     if c.c_balance is not None:

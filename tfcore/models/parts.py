@@ -25,7 +25,8 @@ happens, they call a *part* instead of an op, and a parallel layout hands them o
                                                                  computed from its share
     expert_groups                 None: every expert, every      the token (dp) group and
                                   token here                     the expert-parallel group
-                                                                 (models/moe.ExpertGroups)
+                                                                 (parallel/experts.py's
+                                                                 ExpertGroups)
 
 A part's forward returns (out, cache) and its backward takes (dout, cache), as every op pair.
 The one-device parts are the ops the book proves, through tfcore.ops (a kernel where one

@@ -350,3 +350,41 @@ def ep_moe_backward(dy, cache: EPMoECache, reduce_router: bool = True) -> dict:
     out["x"] = dx + matmul(dz, xp.matrix_transpose(c.W_router), "moe")
     out["W_router"] = dW_router
     return out
+
+
+# --------------------------------------------------------------------------------------
+# The seam of the one decoder
+
+
+class ExpertGroups:
+    """The expert seam of a rank of a layout (ParallelParts.expert_groups), which the MoE
+    sublayer (models/moe.py) routes through instead of one device's plan, dispatch and
+    combine.
+
+    tokens: the group whose ranks hold the batch's tokens in order (the data-parallel
+    group): capacity, drops and the auxiliary losses' statistics span it, as they span one
+    device's batch. ep: the expert-parallel group, a block of consecutive ranks of tokens,
+    over which the experts are sharded and the tokens sent with all-to-alls (size 1: every
+    rank holds every expert)."""
+
+    dispatch_forward = staticmethod(ep_dispatch_forward)
+    dispatch_backward = staticmethod(ep_dispatch_backward)
+    combine_forward = staticmethod(ep_combine_forward)
+    combine_backward = staticmethod(ep_combine_backward)
+
+    def __init__(self, tokens, ep):
+        self.tokens, self.ep = tokens, ep
+
+    def plan(self, experts, moe) -> tuple:
+        """-> (EPPlan, routing): the plan of this rank's selection experts [T_r, K] for an
+        MoE sublayer's settings `moe` (models/moe.MoESpec), and the whole batch's routing
+        statistics {load, kept_load [N_E], capacity (the one device's), tokens (the
+        batch's T), load_by_rank [N_D, N_E] (host)}."""
+        xp = namespace(experts)
+        plan = ep_plan(experts, self.ep, moe.n_experts, moe.capacity_factor,
+                       tokens=self.tokens)
+        load, kept = plan.load.sum(axis=0), plan.kept.sum(axis=0)         # [N_E] host
+        capacity = plan.capacity if moe.capacity_factor is not None else int(load.max())
+        return plan, dict(load=xp.asarray(load), kept_load=xp.asarray(kept),
+                          capacity=capacity, tokens=int(load.sum()) // moe.top_k,
+                          load_by_rank=plan.load)

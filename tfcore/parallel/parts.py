@@ -53,6 +53,7 @@ from ..models.decoder import DecoderConfig
 from ..models.parts import IGNORE_INDEX, OneDevice, count_rows, rows_at, sub_rows
 from . import layers as L
 from .context import ContextLayout, ring_attention_backward, ring_attention_forward
+from .experts import ExpertGroups
 from .ulysses import ulysses_attention_backward, ulysses_attention_forward
 
 
@@ -249,8 +250,6 @@ class ParallelParts(OneDevice):
         self.ep_size, self.ep_rank = (1, 0) if ep is None else (ep.size, ep.rank)
         self.expert_groups = None
         if config.n_experts and loss_group is not None and loss_group.size > 1:
-            from ..models.moe import ExpertGroups
-
             self.expert_groups = ExpertGroups(loss_group,
                                               ep if ep is not None else loss_group.split(
                                                   loss_group.rank, name="ep1"))
