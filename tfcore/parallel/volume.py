@@ -317,11 +317,12 @@ def layout_traffic(config, *, batch: int, seq: int, dp: int = 1, tp: int = 1, pp
     dtype (SCALAR bytes each); the loss and count of the cross-entropy in the model's.
     rounds: a list to which each rank's rounds of messages are appended (collective_rounds
     per call, a pipeline message each, the ring's N_C - 1 per pass of a layer).
-        With ulysses the cp group's attention is Ulysses's four all-to-alls forward and four
+    With ulysses the cp group's attention is Ulysses's four all-to-alls forward and four
     backward per layer (ulysses.ulysses_attention_bytes, on contiguous chunks) in place of
-    the ring's blocks.
+    the ring's blocks. An MoE (config.n_experts) adds expert_layer_traffic per MoE layer,
+    for expert_loads (one [dp, N_E] matrix per MoE layer) or an even routing, and with
+    ep > 1 sums the experts' gradient over edp (dp / ep ranks) and the rest over dp.
     """
-    import math
     from collections import Counter
 
     from .context import ContextLayout, ring_attention_bytes
