@@ -10,6 +10,7 @@ which gives its steps, batch and sequence length (the matrices differ)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -36,14 +37,40 @@ LAYOUTS = merge(*(m.LAYOUTS for m in MATRICES), equal_ok=True)
 FEATURES = merge(*(m.FEATURES for m in MATRICES), equal_ok=True)
 
 
-def resolve(case: str):
-    """"layout | feature" -> (layout, config, steps, batch, seq): a case its matrix trains
-    (one that Layout.validate accepts), or a ValueError naming it."""
+def matrix_of(case: str):
+    """The matrix module that lists the case "layout | feature", or a ValueError naming it."""
     lname, fname = case.split(" | ")
     matrix = next((m for m in MATRICES if (lname, fname) in m.CASES), None)
     if matrix is None:
         raise ValueError(f"{case!r} is a case of no matrix")
+    return matrix
+
+
+def resolve(case: str):
+    """"layout | feature" -> (layout, config, steps, batch, seq): a case its matrix trains
+    (one that Layout.validate accepts), or a ValueError naming it."""
+    matrix = matrix_of(case)
+    lname, fname = case.split(" | ")
     return LAYOUTS[lname], FEATURES[fname], matrix.STEPS, matrix.BATCH, matrix.SEQ
+
+
+def check_under_mpi(tmp_path, size: int, cases: list[str], timeout: float) -> None:
+    """Train `cases` (each of `size` ranks) in one `mpiexec -n size` of this script and
+    assert each equals its matrix's one device: the losses and the parameters after its
+    steps, relative difference below the matrix's TOL."""
+    from mpi_tools import run_mpi
+
+    out = tmp_path / "out.npz"
+    here = Path(__file__).parent
+    done = run_mpi(size, Path(__file__), [str(out), *cases], timeout, cwd=here)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = np.load(out)
+    for i, case in enumerate(cases):
+        lname, fname = case.split(" | ")
+        matrix = matrix_of(case)
+        ref = matrix._reference(fname, matrix.LAYOUTS[lname].clip)
+        assert matrix._rel(saved[f"{i}_losses"], ref["losses"]) < matrix.TOL, case
+        assert matrix._rel(saved[f"{i}_params"], ref["params"]) < matrix.TOL, case
 
 
 def main(out_path: str, cases: list[str]) -> None:

@@ -20,6 +20,9 @@ from tfcore.parallel import Layout, SimulatedGroup
 from tfcore.parallel.harness import make_batches, train_layout, train_single
 from tfcore.parallel.layout import LayoutError
 
+from mpi_tools import needs_mpi
+from test_layout_matrix import _rel, one_device_references
+
 STEPS, BATCH, SEQ = 3, 8, 8
 TOL = 1e-12
 MPI_TIMEOUT = 300     # seconds for one mpiexec -n 4 (four processes on 2 cores)
@@ -67,19 +70,7 @@ def test_the_matrix_covers_every_layout_and_feature():
     assert {f for _, f in CASES} == set(FEATURES)
 
 
-_REFERENCE: dict = {}
-
-
-def _reference(fname, clip=None):
-    key = (fname, clip)
-    if key not in _REFERENCE:
-        _REFERENCE[key] = train_single(FEATURES[fname], STEPS, BATCH, SEQ, clip=clip)
-    return _REFERENCE[key]
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+_reference = one_device_references(FEATURES, STEPS, BATCH, SEQ)
 
 
 @pytest.mark.parametrize("lname,fname", CASES, ids=[f"{l} | {f}" for l, f in CASES])
@@ -285,33 +276,13 @@ def test_the_mpi_runner_finds_the_cases_of_every_matrix():
         mpi_layouts.resolve("ep2 | gpt")
 
 
+@needs_mpi
 def test_expert_layouts_under_mpi_equal_one_device(tmp_path):
     """One `mpiexec -n 4` trains MPI_CASES on four processes (MPIComm: the loads'
     all-gather and the dispatch and combine all-to-alls over real messages), each equal to
     one device (losses and parameters after 3 AdamW steps, relative 1e-12)."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    from mpi_layouts import check_under_mpi     # which imports this module: not at its top
 
-    pytest.importorskip("mpi4py")
-    mpiexec = (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-               or shutil.which("mpiexec"))
-    if mpiexec is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
     assert all(LAYOUTS[c.split(" | ")[0]].world_size == 4 for c in MPI_CASES)
     assert all(tuple(c.split(" | ")) in CASES for c in MPI_CASES)
-    here = Path(__file__).parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    out = tmp_path / "out.npz"
-    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(here / "mpi_layouts.py"),
-                           str(out), *MPI_CASES], capture_output=True, text=True,
-                          timeout=MPI_TIMEOUT, env=env, cwd=here)
-    assert done.returncode == 0, done.stderr[-3000:]
-    saved = np.load(out)
-    for i, case in enumerate(MPI_CASES):
-        lname, fname = case.split(" | ")
-        ref = _reference(fname, LAYOUTS[lname].clip)
-        assert _rel(saved[f"{i}_losses"], ref["losses"]) < TOL, case
-        assert _rel(saved[f"{i}_params"], ref["params"]) < TOL, case
+    check_under_mpi(tmp_path, 4, MPI_CASES, MPI_TIMEOUT)

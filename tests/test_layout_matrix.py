@@ -61,14 +61,21 @@ def test_the_matrix_is_large():
     assert len(CASES) >= 60, len(CASES)
 
 
-_REFERENCE: dict = {}
+def one_device_references(features: dict, steps: int, batch: int, seq: int):
+    """reference(fname, clip=None) -> train_single's run of features[fname] (steps AdamW
+    steps of [batch, seq], clipped at clip), computed once per (fname, clip): the one device
+    a matrix's cases are compared with."""
+    done: dict = {}
+
+    def reference(fname, clip=None):
+        if (fname, clip) not in done:
+            done[(fname, clip)] = train_single(features[fname], steps, batch, seq, clip=clip)
+        return done[(fname, clip)]
+
+    return reference
 
 
-def _reference(fname, clip):
-    key = (fname, clip)
-    if key not in _REFERENCE:
-        _REFERENCE[key] = train_single(FEATURES[fname], STEPS, BATCH, SEQ, clip=clip)
-    return _REFERENCE[key]
+_reference = one_device_references(FEATURES, STEPS, BATCH, SEQ)
 
 
 def _rel(a, b):

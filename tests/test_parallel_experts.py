@@ -5,10 +5,6 @@ combine, the expert-parallel MoE layer against one device's MoE ops (float64, 1e
 each bad input refused before anything moves."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -593,17 +589,13 @@ MPI_SCRIPT = Path(__file__).with_name("mpi_experts.py")
 sys.path.insert(0, str(MPI_SCRIPT.parent))
 import mpi_experts  # noqa: E402
 
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
-    "mpiexec")
+from mpi_tools import needs_mpi, run_mpi  # noqa: E402
+
 MPI_TIMEOUT = 90      # seconds for one mpiexec (a healthy run takes a few)
-needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
-                               reason="mpi4py and mpiexec not installed (pip install mpich)")
 
 
 def _mpiexec(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    return subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(MPI_SCRIPT), *args],
-                          capture_output=True, text=True, timeout=MPI_TIMEOUT, env=env)
+    return run_mpi(4, MPI_SCRIPT, args, MPI_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,6 @@ mistakes (a wrong exchange, a wrong kv repeat) fail the check; and real processe
 `mpiexec -n 4` (tests/mpi_ulysses.py) equal the simulation and one device."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -445,20 +441,15 @@ def test_a_wrong_kv_repeat_fails_the_check(monkeypatch, rng):
 MPI_SCRIPT = Path(__file__).with_name("mpi_ulysses.py")
 sys.path.insert(0, str(MPI_SCRIPT.parent))
 import mpi_ulysses  # noqa: E402
+from mpi_tools import needs_mpi, run_mpi  # noqa: E402
 
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
-    "mpiexec")
 MPI_TIMEOUT = 90      # seconds for one mpiexec (a healthy run takes a few)
-needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
-                               reason="mpi4py and mpiexec not installed (pip install mpich)")
 
 
 @pytest.fixture(scope="module")
 def mpi_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ulysses") / "runs.npz"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    done = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(MPI_SCRIPT), str(out)],
-                          capture_output=True, text=True, timeout=MPI_TIMEOUT, env=env)
+    done = run_mpi(4, MPI_SCRIPT, [str(out)], MPI_TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ulysses runs: " + ", ".join(mpi_ulysses.CASES) in done.stdout
     return np.load(out)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from tfcore.models.decoder import DecoderConfig
 from tfcore.parallel import Layout, LayoutError, SimulatedGroup, plan
-from tfcore.parallel.harness import train_layout, train_single
+from tfcore.parallel.harness import train_layout
+
+from mpi_tools import needs_mpi
+from test_layout_matrix import _rel, one_device_references
 
 STEPS, BATCH, SEQ = 3, 4, 8
 TOL = 1e-12
@@ -51,19 +53,7 @@ def test_the_matrix_covers_every_layout_and_feature():
     assert len(CASES) == len(LAYOUTS) * len(FEATURES) >= 40
 
 
-_REFERENCE: dict = {}
-
-
-def _reference(fname, clip):
-    if (fname, clip) not in _REFERENCE:
-        _REFERENCE[(fname, clip)] = train_single(FEATURES[fname], STEPS, BATCH, SEQ,
-                                                 clip=clip)
-    return _REFERENCE[(fname, clip)]
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+_reference = one_device_references(FEATURES, STEPS, BATCH, SEQ)
 
 
 @pytest.mark.parametrize("lname,fname", CASES, ids=[f"{l} | {f}" for l, f in CASES])
@@ -132,34 +122,15 @@ MPI_CASES = ["ulysses cp4 | gqa", "tp2 x ulysses cp2 | llama", "tp2 x ulysses cp
              "dp2 x ulysses cp2, K=2, clip | gpt"]
 
 
+@needs_mpi
 def test_ulysses_layouts_under_mpi_equal_one_device(tmp_path):
     """One `mpiexec -n 4` trains MPI_CASES on four processes (the all-to-alls over real
     messages), each equal to one device in float64 at 1e-12."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    from mpi_layouts import check_under_mpi     # which imports this module: not at its top
 
-    pytest.importorskip("mpi4py")
-    here = Path(__file__).parent
-    mpiexec = (shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-               or shutil.which("mpiexec"))
-    if mpiexec is None:
-        pytest.skip("mpiexec not found (pip install mpich)")
     assert all(LAYOUTS[c.split(" | ")[0]].world_size == 4 for c in MPI_CASES)
-    out = tmp_path / "out.npz"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(here / "mpi_layouts.py"),
-                           str(out), *MPI_CASES], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=here)
-    assert done.returncode == 0, done.stderr[-3000:]
-    saved = np.load(out)
-    for i, case in enumerate(MPI_CASES):
-        lname, fname = case.split(" | ")
-        ref = _reference(fname, LAYOUTS[lname].clip)
-        assert _rel(saved[f"{i}_losses"], ref["losses"]) < TOL, case
-        assert _rel(saved[f"{i}_params"], ref["params"]) < TOL, case
+    assert all(tuple(c.split(" | ")) in CASES for c in MPI_CASES)
+    check_under_mpi(tmp_path, 4, MPI_CASES, timeout=300)
 
 
 def test_the_ulysses_picture_is_the_all_to_all():
