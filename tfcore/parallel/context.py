@@ -177,22 +177,29 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _check_qkv(q, k, v, layout, comm):
+def check_local_qkv(q, k, v, positions: int | None = None):
+    """A rank's q [B, H, S_r, D_h], k [B, H_kv, S_r, D_h], v [B, H_kv, S_r, D_v]: float
+    arrays of one library, H_kv dividing H (grouped-query attention), S_r = positions
+    (None: q's own). ValueError naming the first that does not fit; -> the namespace."""
     xp = checks.float_inputs(q=q, k=k, v=v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.ndim(name, x, 4)
-    if layout.size != comm.size:
-        raise ValueError(f"layout is for {layout.size} ranks but the group has {comm.size}")
-    want = layout.local_len(comm.rank)
-    batch, heads, _, d_h = q.shape
-    checks.shape("q", q, (batch, heads, want, d_h))
+    batch, heads, local, d_h = q.shape
+    local = local if positions is None else positions
+    checks.shape("q", q, (batch, heads, local, d_h))
     kv_heads = k.shape[1]
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"k must have a number of heads dividing q's {heads} (grouped-query "
                          f"attention), got shape {tuple(k.shape)}")
-    checks.shape("k", k, (batch, kv_heads, want, d_h))
-    checks.shape("v", v, (batch, kv_heads, want, None))
+    checks.shape("k", k, (batch, kv_heads, local, d_h))
+    checks.shape("v", v, (batch, kv_heads, local, None))
     return xp
+
+
+def _check_qkv(q, k, v, layout, comm):
+    if layout.size != comm.size:
+        raise ValueError(f"layout is for {layout.size} ranks but the group has {comm.size}")
+    return check_local_qkv(q, k, v, layout.local_len(comm.rank))
 
 
 def _block_shapes(layout, owner, batch, heads, d_h, d_v):

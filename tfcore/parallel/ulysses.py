@@ -77,6 +77,7 @@ from typing import NamedTuple
 from .. import checks, ops
 from ..models.blocks import repeat_kv_heads, sum_kv_groups
 from . import mappings
+from .context import check_local_qkv
 
 HEAD_AXIS, SEQ_AXIS = 1, 2          # q, k, v, out are [B, H, S, D_h]
 ATTENTION = ("dense", "tiled")
@@ -142,9 +143,7 @@ def _check_inputs(q, k, v, comm, causal, attention, block_size, dropout_p, seq_l
     """Every refusal, raised before any byte moves: the local checks, then (without seq_len
     and with the group's call check on) one uncounted exchange of the local shapes.
     -> (causal, attention, block_size) checked."""
-    checks.float_inputs(q=q, k=k, v=v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.ndim(name, x, 4)
+    check_local_qkv(q, k, v)
     causal = checks.boolean("causal", causal)
     attention = checks.choice("attention", attention, ATTENTION)
     if checks.real("dropout_p", dropout_p) != 0.0:
@@ -161,11 +160,6 @@ def _check_inputs(q, k, v, comm, causal, attention, block_size, dropout_p, seq_l
     n = comm.size
     batch, heads, local, d_h = q.shape
     kv_heads = k.shape[1]
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"k must have a number of heads dividing q's {heads} (grouped-query "
-                         f"attention), got shape {tuple(k.shape)}")
-    checks.shape("k", k, (batch, kv_heads, local, d_h))
-    checks.shape("v", v, (batch, kv_heads, local, None))
     _check_heads(heads, kv_heads, n)
     if seq_len is not None:
         seq_len = checks.integer("seq_len", seq_len, least=1)
