@@ -135,7 +135,7 @@ def ep_plan(experts, comm, n_experts: int, capacity_factor=None, tokens=None) ->
     g0 = tokens.rank - comm.rank                                        # this block's first
     block = kept[g0:g0 + comm.size]                                     # [N, N_E]
     if capacity_factor is None:         # dropless: the block's busiest expert
-        cap = int(block.sum(axis=0).max()) if block.size and block.sum() else 0
+        cap = int(block.sum(axis=0).max())
     slot0 = np.cumsum(block, axis=0) - block                            # [N, N_E]
     r = comm.rank
     order = np.argsort(flat_e, kind="stable")                           # expert, then token

@@ -130,19 +130,20 @@ class Replicated(_DataParallel):
                  experts=None):
         super().__init__(dp, tp, tp_mask, pp, counted, experts)
         self.reduce = reduce
+        # (dense, experts) positions of the flat buffer, when the experts are split over ep
+        self.positions = (experts.positions() if experts is not None and experts.ep.size > 1
+                          else None)
 
     def reduce_gradients(self, params) -> None:
         """params.grad <- sum over dp of params.grad (in place); under expert parallelism
         the experts' elements are summed over edp instead (the ranks holding the same
         experts), the rest over dp."""
-        if self.experts is None or self.experts.ep.size == 1:
+        if self.positions is None:
             if self.dp.size > 1:
                 params.grad[...] = self.dp.all_reduce(params.grad)
             return
         xp, grad = backend.namespace(params.grad), params.grad
-        if not hasattr(self, "_positions"):
-            self._positions = self.experts.positions()
-        dense_at, experts_at = self._positions
+        dense_at, experts_at = self.positions
         dense = self.dp.all_reduce(xp.take(grad, dense_at))
         experts = xp.take(grad, experts_at)
         if self.experts.edp.size > 1:

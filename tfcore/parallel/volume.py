@@ -534,17 +534,18 @@ def zero_memory(config, tp: int, t: int, dp: int, d: int, zero: int,
     P = P_t, Z_d the shard (shard_elements), M_max the largest phase (unit_phases): the
     units gathered at once, whose gradients the backward holds at the same moment."""
     P = local_parameters(config, tp, t)
+    E = 0                        # the rank's expert elements
     if config.n_experts:         # an MoE's tensors by name: the experts split over ep
-        P = sum(math.prod(local_shape(n, s, config, tp, t, ep))
-                for n, s in config.param_shapes().items())
+        from .parts import shard_rule
+
+        local = {n: math.prod(local_shape(n, s, config, tp, t, ep))
+                 for n, s in config.param_shapes().items()}
+        P = sum(local.values())
+        E = sum(M for n, M in local.items() if shard_rule(n) == "experts")
     if zero in (0, 1):
         c = chunk_bounds(P, dp)[d]
         opt = 2 * P if zero == 0 else 2 * (c[1] - c[0])
-        if zero == 1 and config.n_experts and ep > 1:   # the dense chunk over dp, the
-            from .parts import shard_rule                # experts' over edp (dp / ep)
-
-            E = sum(math.prod(local_shape(n, s, config, tp, t, ep))
-                    for n, s in config.param_shapes().items() if shard_rule(n) == "experts")
+        if zero == 1 and ep > 1 and E:   # the dense chunk over dp, the experts' over edp
             a, b = chunk_bounds(P - E, dp)[d]
             e0, e1 = chunk_bounds(E, dp // ep)[d // ep]
             opt = 2 * (b - a + e1 - e0)
