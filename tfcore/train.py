@@ -385,13 +385,11 @@ def layout_error(err: ValueError, config: TrainConfig) -> ConfigError:
     """Layout.validate's refusal as a ConfigError naming the first of its fields that is a
     setting (its flag), with the refusal's own line: the combination and the reason."""
     rule = getattr(err, "rule", None)
-    if rule is None:                 # a size: the batch, the sequence, the world
-        text = str(err)
-        field = ("batch_size" if "global batch" in text else
-                 "n_experts" if "number of experts N_E" in text else
-                 "ep" if "expert-parallel degree" in text else
-                 "seq_len" if "seq" in text else parallel_field(config))
-        return ConfigError(field, text)
+    if rule is None:                 # a size (LayoutSizeError.field): the flag that sets it
+        named = getattr(err, "field", None)
+        field = {"batch": "batch_size", "seq": "seq_len", "world": None,
+                 None: None}.get(named, named) or parallel_field(config)
+        return ConfigError(field, str(err))
     field = next((f for f in rule.fields if f in LAYOUT_FIELDS + ("clip",)
                   + tuple(MODEL_FIELDS)), "dp")
     field = "grad_clip" if field == "clip" else field

@@ -34,6 +34,16 @@ TRANSPORTS = ("simulated", "mpi")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+class LayoutSizeError(ValueError):
+    """A size Layout.validate refuses (a degree that does not divide another, a world, a
+    batch or a sequence that does not fit); `field` names what does not fit: a Layout or
+    config field, 'world', 'batch' or 'seq' (validate's arguments), or None."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class LayoutError(ValueError):
     """A combination Layout.validate refuses; `rule` is its Refusal, `layout` the layout."""
 
@@ -232,39 +242,44 @@ class Layout:
     def validate(self, config=None, world: int | None = None, batch: int | None = None,
                  seq: int | None = None) -> "Layout":
         """Raise LayoutError (a ValueError) naming the first refused combination, then
-        ValueError when the layout does not fit `world` ranks, a global batch of `batch`
-        rows or sequences of `seq` positions; -> self."""
+        LayoutSizeError (a ValueError naming its field) when the layout does not fit
+        `world` ranks, a global batch of `batch` rows or sequences of `seq` positions;
+        -> self."""
         rule = self.refusal(config)
         if rule is not None:
             raise LayoutError(rule.message(self, config), rule, self)
         if self.dp % self.ep:
-            raise ValueError(f"the expert-parallel degree ep = {self.ep} must divide the "
-                             f"data-parallel degree dp = {self.dp}: the experts are sharded "
-                             "over blocks of data-parallel ranks")
+            raise LayoutSizeError(
+                f"the expert-parallel degree ep = {self.ep} must divide the data-parallel "
+                f"degree dp = {self.dp}: the experts are sharded over blocks of "
+                "data-parallel ranks", "ep")
         if config is not None and config.n_experts and config.n_experts % self.ep:
-            raise ValueError(f"the number of experts N_E = {config.n_experts} must be "
-                             f"divisible by the expert-parallel degree ep = {self.ep} (each "
-                             f"rank holds N_E / ep of them)")
+            raise LayoutSizeError(
+                f"the number of experts N_E = {config.n_experts} must be divisible by the "
+                f"expert-parallel degree ep = {self.ep} (each rank holds N_E / ep of them)",
+                "n_experts")
         if world is not None and self.world_size != world:
-            raise ValueError(f"the layout {self.shape()} needs {self.world_size} ranks, but "
-                             f"the world has {world}")
+            raise LayoutSizeError(f"the layout {self.shape()} needs {self.world_size} ranks, "
+                                  f"but the world has {world}", "world")
         if batch is not None and batch % (self.dp * self.micro_batches):
-            raise ValueError(f"the global batch ({batch}) must be divisible by dp x "
-                             f"micro_batches = {self.dp} x {self.micro_batches} = "
-                             f"{self.dp * self.micro_batches}")
+            raise LayoutSizeError(f"the global batch ({batch}) must be divisible by dp x "
+                                  f"micro_batches = {self.dp} x {self.micro_batches} = "
+                                  f"{self.dp * self.micro_batches}", "batch")
         if seq is not None and config is not None and seq > config.max_seq_len:
-            raise ValueError(f"seq ({seq}) exceeds the config's max_seq_len "
-                             f"({config.max_seq_len})")
+            raise LayoutSizeError(f"seq ({seq}) exceeds the config's max_seq_len "
+                                  f"({config.max_seq_len})", "seq")
         if self.ulysses and config is not None and (config.n_heads // self.tp) % (self.cp or 1):
-            raise ValueError(f"Ulysses splits each tensor-parallel rank's n_heads / tp = "
-                             f"{config.n_heads} / {self.tp} heads over cp = {self.cp} ranks: "
-                             "they must divide")
+            raise LayoutSizeError(f"Ulysses splits each tensor-parallel rank's n_heads / tp = "
+                                  f"{config.n_heads} / {self.tp} heads over cp = {self.cp} "
+                                  "ranks: they must divide")
         if self.ulysses and seq is not None and seq % (self.cp or 1):
-            raise ValueError(f"with Ulysses the sequence length ({seq}) must be divisible "
-                             f"by the context-parallel degree ({self.cp})")
+            raise LayoutSizeError(f"with Ulysses the sequence length ({seq}) must be "
+                                  f"divisible by the context-parallel degree ({self.cp})",
+                                  "seq")
         if seq is not None and self.sp and seq % self.tp:
-            raise ValueError(f"with sequence parallelism the sequence length ({seq}) must be "
-                             f"divisible by the tensor-parallel degree ({self.tp})")
+            raise LayoutSizeError(f"with sequence parallelism the sequence length ({seq}) "
+                                  f"must be divisible by the tensor-parallel degree "
+                                  f"({self.tp})", "seq")
         return self
 
     def shape(self) -> str:
