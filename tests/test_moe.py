@@ -422,6 +422,79 @@ def test_sympy_balancing_loss_gradient_and_extremes():
         sym.assert_equal("dprobs", truth, closed * 2)
 
 
+def test_sympy_the_shares_of_a_batch_split_over_ranks_sum_to_its_loss():
+    """A batch of T tokens in parts (data-parallel ranks): each part's share
+    alpha N sum_i f_i (1/T) sum_{t in part} p_{t,i}, with the whole batch's f and T, sums to
+    the whole batch's L, and its gradient is the whole loss's restricted to the part (the
+    same alpha N f_i / T): proved, then tfcore's load=/n_tokens= shares against the whole in
+    float64 and by finite differences; a share normalised by its own T is caught."""
+    T, N, cut = 4, 3, 1
+    alpha = sp.Symbol("alpha", positive=True)
+    probs, f = sym.matrix("p", T, N), sym.vector("f", N)
+
+    def share(rows, tokens):
+        return alpha * N * sum(f[i] * sum(probs[t, i] for t in rows) / tokens
+                               for i in range(N))
+
+    whole = share(range(T), T)
+    parts = [share(range(cut), T), share(range(cut, T), T)]
+    assert sp.simplify(sum(parts) - whole) == 0
+    for part in parts:
+        for t in range(T):
+            for i in range(N):
+                assert sp.simplify(sp.diff(part, probs[t, i])
+                                   - (sp.diff(whole, probs[t, i]) if (t < cut) == (part is
+                                                                                 parts[0])
+                                      else 0)) == 0
+    assert sp.simplify(share(range(cut), cut) + parts[1] - whole) != 0      # planted
+
+    rng = np.random.default_rng(31)
+    n_e, k, tokens = 6, 2, 10
+    p = rng.dirichlet(np.ones(n_e), size=tokens)
+    chosen = np.argsort(-p, axis=1)[:, :k]
+    load = np.bincount(chosen.reshape(-1), minlength=n_e)
+    loss, _ = M.load_balancing_loss_forward(p, chosen, 0.3)
+    pieces = [M.load_balancing_loss_forward(p[a:b], chosen[a:b], 0.3, load=load,
+                                            n_tokens=tokens) for a, b in ((0, 4), (4, 10))]
+    assert abs(sum(float(x) for x, _ in pieces) - float(loss)) < 1e-14 * abs(float(loss))
+    d_whole = M.load_balancing_loss_backward(1.0, M.load_balancing_loss_forward(
+        p, chosen, 0.3)[1])
+    np.testing.assert_allclose(M.load_balancing_loss_backward(1.0, pieces[1][1]), d_whole[4:],
+                               rtol=1e-14)
+    u, h = rng.standard_normal((6, n_e)), 1e-6
+    shifted = [float(M.load_balancing_loss_forward(p[4:] + s * h * u, chosen[4:], 0.3,
+                                                   load=load, n_tokens=tokens)[0])
+               for s in (1, -1)]
+    numeric = (shifted[0] - shifted[1]) / (2 * h)
+    assert abs(numeric - float(np.sum(d_whole[4:] * u))) < 1e-8
+    z = rng.standard_normal((tokens, n_e))
+    zl, _ = M.router_z_loss_forward(z, 0.2)
+    z_parts = [float(M.router_z_loss_forward(z[a:b], 0.2, n_tokens=tokens)[0])
+               for a, b in ((0, 3), (3, 10))]
+    assert abs(sum(z_parts) - float(zl)) < 1e-14 * abs(float(zl))
+    seq = p.reshape(2, 5, n_e)
+    whole_seq, _ = M.sequence_balancing_loss_forward(seq, chosen.reshape(2, 5, k), 0.3)
+    seq_parts = [float(M.sequence_balancing_loss_forward(seq[b:b + 1], chosen.reshape(2, 5, k)
+                                                         [b:b + 1], 0.3, n_sequences=2)[0])
+                 for b in (0, 1)]
+    assert abs(sum(seq_parts) - float(whole_seq)) < 1e-14 * abs(float(whole_seq))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda p, e: M.load_balancing_loss_forward(p, e, load=np.ones(5, np.int64)),
+     "load must have shape"),
+    (lambda p, e: M.load_balancing_loss_forward(p, e, n_tokens=2), "n_tokens must be"),
+    (lambda p, e: M.router_z_loss_forward(p, n_tokens=1), "n_tokens must be"),
+    (lambda p, e: M.sequence_balancing_loss_forward(p[None], e[None], n_sequences=0),
+     "n_sequences must be"),
+], ids=["load shape", "n_tokens below the part's", "z-loss n_tokens", "n_sequences 0"])
+def test_a_share_with_whole_batch_counts_that_cannot_be_is_refused(call, message):
+    p = np.full((4, 6), 1 / 6)
+    e = np.tile(np.arange(2), (4, 1))
+    with pytest.raises(ValueError, match=message):
+        call(p, e)
+
+
 # ---------------------------------------------------------------------------------------
 # The independent reference of the MoE decoder
 
