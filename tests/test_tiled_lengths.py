@@ -3,9 +3,9 @@
 The fused kernel (tfcore.kernels._tiled) takes the queries in blocks of BLOCK = 64 rows and
 meets each block's keys in spans of up to SPAN = 256 columns: the running sums are rescaled
 by exp(m_old - m_new) only from a block's second span on, that is past 256 keys. Its
-backward takes the keys in blocks of 64 and their queries in spans of 256: dk and dv add
-over spans only past 256 queries. Its Python loops also take the batch a few rows at a time
-(SCRATCH elements of scores). The reference op (kernels disabled) rescales from the second
+backward takes the keys in blocks of 64 and their queries in spans of BACKWARD_SPAN = 128:
+dk and dv add over spans only past 128 queries. Its Python loops also take the batch a few
+rows at a time (SCRATCH elements of scores). The reference op (kernels disabled) rescales from the second
 key tile on and masks the tiles that cross the causal diagonal.
 
 So the lengths here are 257 (one key past a span), 600 (three spans, the last partial),
@@ -73,8 +73,10 @@ def compiled(request, monkeypatch):
 def test_the_thresholds_are_the_ones_these_lengths_cross():
     """If the kernel's blocks change, these lengths must be chosen again."""
     assert (_tiled.BLOCK, _tiled.SPAN, _tiled.SCRATCH) == (64, 256, 2 ** 17)
+    assert _tiled.BACKWARD_SPAN == 128
     s_q, s_k = LENGTHS[2]
     assert s_k > 4 * _tiled.SPAN and s_k % _tiled.BLOCK and s_q % 2
+    assert LENGTHS[0][0] > 2 * _tiled.BACKWARD_SPAN      # a third, one-query span
 
 
 @pytest.mark.parametrize("causal, s_q, s_k",
