@@ -1,16 +1,17 @@
 """Tiled attention at lengths that cross every internal threshold, against the dense op.
 
 The fused kernel (tfcore.kernels._tiled) takes the queries in blocks of BLOCK = 64 rows and
-meets each block's keys in spans of up to SPAN = 256 columns: the running sums are rescaled
-by exp(m_old - m_new) only from a block's second span on, that is past 256 keys. Its
+meets each block's keys in spans of up to SPAN = 1024 columns: the running sums are rescaled
+by exp(m_old - m_new) only from a block's second span on, that is past 1024 keys. Its
 backward takes the keys in blocks of 64 and their queries in spans of BACKWARD_SPAN = 128:
 dk and dv add over spans only past 128 queries. Its Python loops also take the batch a few
 rows at a time (SCRATCH elements of scores). The reference op (kernels disabled) rescales from the second
 key tile on and masks the tiles that cross the causal diagonal.
 
-So the lengths here are 257 (one key past a span), 600 (three spans, the last partial),
-1031 (five spans, odd, no multiple of 64) and S_q != S_k (the causal offset), every one
-against chapter 6's dense op in float64 at 1e-12: an omitted rescale misses by order 1.
+So the lengths here are 257 and 600 (three and five backward spans, the last partial), 1031
+(one key past a forward span, odd, no multiple of 64), 2100 (three forward spans, the last
+partial) and S_q != S_k (the causal offset), every one against chapter 6's dense op in
+float64 at 1e-12: an omitted rescale misses by order 1.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tfcore.gradcheck import assert_close
 from tfcore.kernels import _tiled
 
 TOL = 1e-12
-LENGTHS = [(257, 257), (600, 600), (1031, 1031), (301, 1031)]   # (S_q, S_k)
+LENGTHS = [(257, 257), (600, 600), (1031, 1031), (2100, 2100), (301, 1031)]  # (S_q, S_k)
 
 
 def _inputs(rng, b, h, s_q, s_k, d_h=8, d_v=8):
@@ -72,10 +73,11 @@ def compiled(request, monkeypatch):
 
 def test_the_thresholds_are_the_ones_these_lengths_cross():
     """If the kernel's blocks change, these lengths must be chosen again."""
-    assert (_tiled.BLOCK, _tiled.SPAN, _tiled.SCRATCH) == (64, 256, 2 ** 17)
+    assert (_tiled.BLOCK, _tiled.SPAN, _tiled.SCRATCH) == (64, 1024, 2 ** 17)
     assert _tiled.BACKWARD_SPAN == 128
     s_q, s_k = LENGTHS[2]
-    assert s_k > 4 * _tiled.SPAN and s_k % _tiled.BLOCK and s_q % 2
+    assert s_k == _tiled.SPAN + 7 and s_k % _tiled.BLOCK and s_q % 2
+    assert 2 * _tiled.SPAN < LENGTHS[3][1] < 3 * _tiled.SPAN      # a third, partial span
     assert LENGTHS[0][0] > 2 * _tiled.BACKWARD_SPAN      # a third, one-query span
 
 
