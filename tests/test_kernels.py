@@ -745,6 +745,61 @@ def test_the_backward_frees_the_mlp_cache_before_the_attention_runs(monkeypatch,
     assert seen == [True, True]
 
 
+def test_the_forward_frees_each_block_input_once_its_residual_sum_has_read_it(monkeypatch):
+    """Memory: the decoder hands each block its input, so the residual stream entering a
+    pre-norm block [B, S, D] (read by the first norm, which keeps xhat, and by the residual
+    sum) is freed by the time the block's MLP runs, and none is kept by the caches. (In a
+    post-norm block the input is the qkv projection's input, which its cache keeps.)"""
+    import weakref
+
+    from tfcore.models import blocks
+    from tfcore.models.decoder import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=29, max_seq_len=16, d_model=32, n_layers=3, n_heads=4,
+                        attention="tiled")
+    model = DecoderLM(cfg).init(seed=0)
+    ids = np.arange(32).reshape(2, 16) % 29
+    skips, alive_at_mlp = [], []
+    add, ffn_forward = blocks._add, blocks._ffn_forward
+
+    def watched_add(x, fx):
+        skips.append(weakref.ref(x))
+        return add(x, fx)
+
+    def watched_ffn(*args, **kwargs):
+        alive_at_mlp.append(skips[-1]() is not None)       # the block's first sum's skip
+        return ffn_forward(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "_add", watched_add)
+    monkeypatch.setattr(blocks, "_ffn_forward", watched_ffn)
+    model.forward(asarray(ids), asarray(ids))
+    assert alive_at_mlp == [False, False, False]
+    assert all(ref() is None for ref in skips)                 # nor kept by the caches
+
+
+def test_the_backward_frees_the_head_and_loss_caches_before_the_blocks_run():
+    """Memory: the final norm's xhat and output [B, S, D] and the loss's probabilities
+    [B, S, V] (the logits' gradient, written over them) are freed when the head's backward
+    ends, not held through the blocks' backward by the forward's cache."""
+    import weakref
+
+    from tfcore.models.decoder import DecoderConfig, DecoderLM
+
+    cfg = DecoderConfig(vocab_size=29, max_seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    model = DecoderLM(cfg).init(seed=0)
+    ids = np.arange(32).reshape(2, 16) % 29
+    model.forward(asarray(ids), asarray(ids))
+    c_lnf, c_linear = model._cache.head
+    watched = [weakref.ref(c_lnf.xhat), weakref.ref(c_linear.x),
+               weakref.ref(model._cache.loss.probs)]
+    del c_lnf, c_linear
+    alive = {}
+    model.backward(after_unit=lambda unit: alive.setdefault(
+        unit, [ref() is not None for ref in watched]))
+    assert alive["head"] == [False, False, False]
+    assert model._cache is None
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_the_optimizer_finiteness_check_without_a_temporary(bad, dtype):

@@ -117,7 +117,7 @@ def test_a_node_limited_decoder_trains_as_one_device_under_expert_parallelism():
     model = DecoderLM(config).init(0)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (4, 8))
     model.forward(ids, ids)
-    groups = np.asarray(model._cache[1][0][1].ffn.experts) // 2       # [T, K] groups
+    groups = np.asarray(model._cache.blocks[0].block.ffn.experts) // 2     # [T, K] groups
     assert np.all(groups[:, 0] == groups[:, 1])
 
 

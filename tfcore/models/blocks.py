@@ -406,6 +406,7 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
         h, c_ln1 = nn.norm_forward(params, prefix + ".ln1", x, spec.norm, spec.eps)
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", h, spec, **attn)
         x1 = _add(x, a) if spec.residual else a                 # x + attn(norm1(x))
+        del x, a     # read by now: a freed here, and x too when the caller handed it over
         h, c_ln2 = nn.norm_forward(params, prefix + ".ln2", x1, spec.norm, spec.eps)
         m, c_mlp = _ffn_forward(params, prefix, h, spec, rng=rng, training=training,
                                 parts=parts)
@@ -413,6 +414,7 @@ def block_forward(params, prefix, x, spec, *, rope=None, rng=None, training=Fals
     else:
         a, c_attn = attention_sublayer_forward(params, prefix + ".attn", x, spec, **attn)
         s1 = _add(x, a) if spec.residual else a                 # x + attn(x)
+        del x, a     # read by now: a freed here, and x too when the caller handed it over
         x1, c_ln1 = nn.norm_forward(params, prefix + ".ln1", s1, spec.norm, spec.eps)
         m, c_mlp = _ffn_forward(params, prefix, x1, spec, rng=rng, training=training,
                                 parts=parts)

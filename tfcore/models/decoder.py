@@ -321,11 +321,15 @@ class LayerCache(NamedTuple):
     block: Any
 
 
-class SpanCache(NamedTuple):
+@dataclass
+class SpanCache:
     """What forward_span keeps for backward_span: the embedding's caches (None when the span
     does not start there), [LayerCache] of its blocks, the head's and the loss's (None when
     it does not end there), and the output's shape (with its dtype and library when the
-    span ends in the residual stream)."""
+    span ends in the residual stream). backward_span takes each part out as it starts
+    (leaving None, and None in the blocks' list as each block is done), so that whoever
+    still holds the SpanCache holds nothing the backward has consumed: the head's and the
+    loss's [B, S, D] and [B, S, V] arrays are freed before the blocks run."""
 
     embed: Any
     blocks: list
@@ -531,15 +535,17 @@ class DecoderLM:
         """dlogits [B, S, V] -> dx [B, S_loc, D]; the head's (or the tied wte's) and the
         final norm's gradients added."""
         c_lnf, c_head = cache
+        del cache
         cfg = self.config
         dx, dW, db = self.parts.head_backward(dlogits, c_head)           # dx [B, S, D], dW [D, V]
-        if cfg.tied_head:
+        del dlogits, c_head        # [B, S, V] and the head's input, freed here (the caller
+        if cfg.tied_head:          # handed them over)
             nn.accumulate(params, "wte", dW.T)                             # the head's share of wte
         else:
             nn.accumulate(params, "head.W", dW)
         if db is not None:
             nn.accumulate(params, "head.b", db)
-        del dlogits, dW, db, c_head                  # free [B, S, V] before the blocks run
+        del dW, db
         if c_lnf is not None:
             dx = nn.norm_backward(params, "lnf", dx, c_lnf, cfg.norm)
         return dx
@@ -563,9 +569,12 @@ class DecoderLM:
         full = cfg.recompute == "full"
         for i in layers:
             spec = self.layer_spec(i)
-            x_in, replay = x, (replayable(ctx["rng"]) if full else None)
+            # the block's input, handed over: block_forward alone holds it, and frees it once
+            # its residual sum has read it (a full recompute keeps it as the block's cache)
+            x_in, replay = (x, replayable(ctx["rng"])) if full else (None, None)
+            box, x = [x], None
             x, c = run([f"h{i}"], lambda p: block_forward(
-                p, f"h{i}", x_in, spec, rope=ctx["rope"], rng=ctx["rng"],
+                p, f"h{i}", box.pop(), spec, rope=ctx["rope"], rng=ctx["rng"],
                 training=ctx["training"], parts=self.parts))               # [B, S_loc, D]
             if spec.moe is not None:
                 m = c.ffn                                                 # the MoECache
@@ -580,7 +589,11 @@ class DecoderLM:
         if not last:
             return x, SpanCache(c_embed, c_blocks, None, None,
                                 (tuple(x.shape), x.dtype, backend.namespace(x)))
-        logits, c_head = run(self.head_units(), lambda p: self.head_forward(p, x))
+        # the residual stream handed over to the head, whose final norm is its last reader:
+        # it is freed there, not held through the head's product and the loss
+        box = [x]
+        del x
+        logits, c_head = run(self.head_units(), lambda p: self.head_forward(p, box.pop()))
         loss, c_loss = None, None
         if targets is not None:
             loss, c_loss = self.parts.loss_forward(logits, targets)
@@ -593,8 +606,9 @@ class DecoderLM:
         embedding of a forward_span, in reverse, through the parameter source. G: the
         gradient of the span's output when it does not end in the loss. -> the gradient of
         the span's input (None when it starts at the embedding)."""
-        c_embed, c_blocks, c_head, c_loss, like = cache
-        del cache
+        c_embed, c_blocks, c_head, c_loss, like = (cache.embed, cache.blocks, cache.head,
+                                                   cache.loss, cache.out)
+        cache.embed = cache.head = cache.loss = None
         done = after_unit or (lambda label: None)
         run = self.source.backward
         if c_head is not None:
@@ -606,9 +620,13 @@ class DecoderLM:
                 checks.array("dlogits", dlogits)
                 checks.shape("dlogits", dlogits, like)
             c_loss = None
-            dx = run(self.head_units(), lambda p, box: self.head_backward(p, dlogits, box.pop()),
-                     [c_head], head=True)
+            # both handed over, held by head_backward alone, which frees them before the
+            # final norm's backward
+            grad, box = [dlogits], [c_head]
             dlogits = c_head = None
+            dx = run(self.head_units(),
+                     lambda p, box: self.head_backward(p, grad.pop(), box.pop()), box,
+                     head=True)
             done("head")
         else:
             checks.upstream("G", G, *like)

@@ -28,6 +28,7 @@ With recomputation (the decoder's `recompute`, chapter 17) a block keeps only it
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import replace
 
 import numpy as np
@@ -246,9 +247,10 @@ def _root(array):
 
 
 def held_bytes(cache, exclude=()) -> int:
-    """Bytes of the distinct buffers reachable from `cache` (nested tuples, lists, dicts),
-    each buffer counted once however many views of it are held; buffers owned by the arrays
-    in `exclude` (parameters, the user's inputs, constant tables) are not counted."""
+    """Bytes of the distinct buffers reachable from `cache` (nested tuples, lists, dicts,
+    dataclasses), each buffer counted once however many views of it are held; buffers owned
+    by the arrays in `exclude` (parameters, the user's inputs, constant tables) are not
+    counted."""
     excluded = {id(_root(a)) for a in exclude if a is not None}
     roots: dict[int, object] = {}
 
@@ -259,6 +261,9 @@ def held_bytes(cache, exclude=()) -> int:
         elif isinstance(obj, dict):
             for item in obj.values():
                 visit(item)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for field in dataclasses.fields(obj):
+                visit(getattr(obj, field.name))
         elif hasattr(obj, "__array_namespace__") and hasattr(obj, "shape"):
             root = _root(obj)
             if id(root) not in excluded:
