@@ -48,19 +48,20 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 # the result stay normal numbers (no subnormal operands, which cost a hundred cycles each,
 # and no overflowed bits); NaN stays NaN. The constants are typed in the storage dtype:
 # one implementation per dtype, chosen when Numba compiles the caller. Each multiply-add is
-# a fused one (_fma, LLVM's fma: one rounding, the same bits on every CPU, an FMA
-# instruction where the CPU has one): the loop makes half the instructions of separate
-# multiplies and adds, and ran 20% faster in float32 on AVX-512.
+# LLVM's fmuladd (_fma): one FMA instruction, one rounding, on a CPU that has them (x86-64-v3
+# and up, every AVX2 and AVX-512 CPU: the same bits on all of them), a multiply and an add on
+# an older one; the loop makes half the instructions, and ran 20% faster in float32 on
+# AVX-512. (LLVM's strict fma would be a library call per element where there is no FMA.)
 
 @intrinsic
 def _fma(typingctx, a, b, c):
-    """a * b + c with one rounding (LLVM's llvm.fma), for float32 or float64 a, b, c."""
+    """a * b + c, fused where the CPU can (LLVM's llvm.fmuladd), for float32 or float64."""
     if not (isinstance(a, types.Float) and a == b == c):
         return None
 
     def codegen(context, builder, signature, args):
         kind = args[0].type
-        fma = builder.module.declare_intrinsic("llvm.fma", [kind],
+        fma = builder.module.declare_intrinsic("llvm.fmuladd", [kind],
                                                ir.FunctionType(kind, [kind] * 3))
         return builder.call(fma, args)
     return a(a, b, c), codegen
