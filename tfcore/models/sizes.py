@@ -28,8 +28,7 @@ With recomputation (the decoder's `recompute`, chapter 17) a block keeps only it
 from __future__ import annotations
 
 import math
-import dataclasses
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 
 import numpy as np
 
@@ -261,8 +260,8 @@ def held_bytes(cache, exclude=()) -> int:
         elif isinstance(obj, dict):
             for item in obj.values():
                 visit(item)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for field in dataclasses.fields(obj):
+        elif is_dataclass(obj) and not isinstance(obj, type):
+            for field in fields(obj):
                 visit(getattr(obj, field.name))
         elif hasattr(obj, "__array_namespace__") and hasattr(obj, "shape"):
             root = _root(obj)
