@@ -5,8 +5,8 @@ meets each block's keys in spans of up to SPAN = 1024 columns: the running sums 
 by exp(m_old - m_new) only from a block's second span on, that is past 1024 keys. Its
 backward takes the keys in blocks of 64 and their queries in spans of BACKWARD_SPAN = 128:
 dk and dv add over spans only past 128 queries. Its Python loops also take the batch a few
-rows at a time (SCRATCH elements of scores). The reference op (kernels disabled) rescales from the second
-key tile on and masks the tiles that cross the causal diagonal.
+rows at a time (SCRATCH elements of scores). The reference op (kernels disabled) rescales
+from the second key tile on and masks the tiles that cross the causal diagonal.
 
 So the lengths here are 257 and 600 (three and five backward spans, the last partial), 1031
 (one key past a forward span, odd, no multiple of 64), 2100 (three forward spans, the last
