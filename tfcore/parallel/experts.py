@@ -34,7 +34,6 @@ ranks holding the same experts, not over the expert-parallel group.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -86,6 +85,17 @@ class EPPlan(NamedTuple):
     dest: object           # [A_r] the row e_local C + slot of each arriving row
 
 
+def kept_loads(load, capacity) -> np.ndarray:
+    """[N, N_E] int64: the assignments each expert keeps of load [N, N_E] (each rank's
+    assignments per expert, the ranks in token order): all of them when capacity is None
+    (dropless), else the first `capacity` of the whole batch's, in token order."""
+    load = np.asarray(load, dtype=np.int64)
+    if capacity is None:
+        return load
+    before = np.cumsum(load, axis=0) - load                             # the earlier ranks'
+    return np.clip(capacity - before, 0, load)
+
+
 def ep_plan(experts, comm, n_experts: int, capacity_factor=None, tokens=None) -> EPPlan:
     """The expert-parallel dispatch plan of this rank's routing (collective: every rank of
     comm, and of tokens when given, calls it).
@@ -127,14 +137,12 @@ def ep_plan(experts, comm, n_experts: int, capacity_factor=None, tokens=None) ->
     load = (mine[None, :] if tokens.size == 1 else
             np.asarray(to_numpy(tokens.all_gather(xp.asarray(mine[None, :]), axis=0)),
                        dtype=np.int64))                                 # [N_tok, N_E]
-    total = int(load.sum())
-    if capacity_factor is not None:     # the one device's C = ceil(c T K / N_E) (moe.capacity)
-        cap = math.ceil(capacity_factor * (total // top_k) * top_k / n_experts)
-    before = np.cumsum(load, axis=0) - load                             # P [N_tok, N_E]
-    kept = load if capacity_factor is None else np.clip(cap - before, 0, load)
+    # the one device's C of the whole batch (None: dropless)
+    cap = M.capacity(int(load.sum()) // top_k, top_k, n_experts, capacity_factor)
+    kept = kept_loads(load, cap)                                        # [N_tok, N_E]
     g0 = tokens.rank - comm.rank                                        # this block's first
     block = kept[g0:g0 + comm.size]                                     # [N, N_E]
-    if capacity_factor is None:         # dropless: the block's busiest expert
+    if cap is None:                     # dropless: the block's busiest expert
         cap = int(block.sum(axis=0).max())
     slot0 = np.cumsum(block, axis=0) - block                            # [N, N_E]
     r = comm.rank

@@ -24,7 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ..functional.moe import capacity
 from .comm import chunk_bounds
+from .experts import kept_loads
 
 
 def collective_bytes(op: str, algorithm: str, M: int, N: int, itemsize: int = 8,
@@ -594,18 +596,12 @@ def even_expert_loads(config, dp: int, tokens: int) -> list[list[int]]:
 def kept_expert_loads(config, load) -> list[list[int]]:
     """[N_D, N_E] the assignments each expert keeps of load [N_D, N_E] (the data-parallel
     ranks' assignments, in rank order): all of them dropless, else the first C of the whole
-    batch's in token order, C = ceil(c T K / N_E) (experts.ep_plan's rule)."""
-    L = [[int(c) for c in row] for row in load]
-    if config.capacity_factor is None:
-        return L
-    total = sum(map(sum, L))
-    cap = math.ceil(config.capacity_factor * (total // config.top_k) * config.top_k
-                    / config.n_experts)
-    kept, before = [], [0] * config.n_experts
-    for row in L:
-        kept.append([max(0, min(n, cap - b)) for n, b in zip(row, before)])
-        before = [b + n for b, n in zip(before, row)]
-    return kept
+    batch's in token order, C = ceil(c T K / N_E) (functional.moe.capacity; the rule of
+    experts.kept_loads, which ep_plan applies)."""
+    total = sum(int(c) for row in load for c in row)
+    cap = capacity(total // config.top_k, config.top_k, config.n_experts,
+                   config.capacity_factor)
+    return kept_loads(load, cap).tolist()
 
 
 def expert_layer_traffic(config, load, d: int, ep: int, micro_batches: int = 1,
