@@ -407,15 +407,21 @@ def test_tiled_attention_compiled_shares_equal_the_python_loops(rng, monkeypatch
 @needs_numba
 @DTYPES
 @pytest.mark.parametrize("compiled", [True, False])
-def test_tiled_attention_reads_the_views_of_a_fused_qkv(rng, monkeypatch, dtype, compiled):
+@pytest.mark.parametrize("s", [70, 262])
+def test_tiled_attention_reads_the_views_of_a_fused_qkv(rng, monkeypatch, dtype, compiled, s):
     """q, k, v as the [B, H, S, D_h] views of one [B, S, 3, H, D_h] projection (rows D_h
-    long, 3 H D_h apart) give the bits of their C-contiguous copies, with nothing copied."""
+    long, 3 H D_h apart) give the bits of their C-contiguous copies: read in place, or, from
+    PACK_FROM queries on, each head packed into contiguous rows by the compiled backward."""
+    from tfcore.kernels import _tiled
+
     _use_compiled_shares(monkeypatch, compiled, dtype)
-    b, s, h, d_h = 2, 70, 3, 8
+    b, h, d_h = 2, 3, 8
     qkv = randn(rng, (b, s, 3, h, d_h), dtype)
     views = [np.swapaxes(qkv[:, :, i], 1, 2) for i in range(3)]
     copies = [np.ascontiguousarray(x) for x in views]
     assert all(kernels.rows_apart(x) and not x.flags.c_contiguous for x in views)
+    assert _tiled._worth_packing(*views) == (s >= _tiled.PACK_FROM)
+    assert not _tiled._worth_packing(*copies)
     dout = randn(rng, (b, h, s, d_h), dtype)
     results = []
     for q, k, v in (views, copies):

@@ -754,6 +754,18 @@ def _at(x, b, h, row):
     return x.ctypes.data + b * x.strides[0] + h * x.strides[1] + row * x.strides[2]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pack(x, b, h, packed, start):
+    """x[b, h] [S, D] copied into packed[start:start + S D] as contiguous rows -> its address.
+    The rows of a head of a fused projection lie a row of all heads apart (3 H D_h elements):
+    read in place, the backward's span of such rows falls on few cache sets and evicts itself
+    when it is re-read for every key block (see _tiled.PACK_FROM)."""
+    s, d = x.shape[2], x.shape[3]
+    rows = packed[start:start + s * d].reshape((s, d))
+    rows[...] = x[b, h]
+    return rows.ctypes.data
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def tiled_forward_share(q, k_t, v, out, lse, causal, scale, block, span, scores, product,
                         running, function, counted):
@@ -803,20 +815,29 @@ def tiled_forward_share(q, k_t, v, out, lse, causal, scale, block, span, scores,
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal, scale, block, span,
-                         probs, dscores, transposed, function, counted):
+                         probs, dscores, transposed, packed, function, counted):
     """_tiled._backward_rows for every (batch row, head) of a share, one after the other.
 
     q [b, H, S_q, D_h], k [b, H, S_k, D_h], v [b, H, S_k, D_v], dout, dq, dk, dv: rows apart
     (see _tiled.rows_apart); lse, delta [b, H, S_q]; scratch: probs and dscores
     [>= span * block], transposed [>= block * (D_h + D_v)] (k_j^T and v_j^T of a key
-    block); function, counted as in tiled_forward_share. The products that add into dq, dk
-    and dv (after a key's or a query's first block) add in the gemm (beta = 1)."""
+    block), packed: empty, or [>= S_q (D_h + D_v) + S_k D_h] to read q, dout and k of each
+    head packed (see _pack); function, counted as in tiled_forward_share. The products that
+    add into dq, dk and dv (after a key's or a query's first block) add in the gemm (beta = 1)."""
     batch, heads, s_q, d_h = q.shape
     s_k, d_v, size = k.shape[2], v.shape[3], q.itemsize
     offset = s_k - s_q
-    ld_q, ld_k, ld_do, ld_dq, ld_dk, ld_dv = _ld(q), _ld(k), _ld(dout), _ld(dq), _ld(dk), _ld(dv)
+    ld_dq, ld_dk, ld_dv = _ld(dq), _ld(dk), _ld(dv)
+    pack = packed.size > 0
+    ld_q, ld_do, ld_k = (d_h, d_v, d_h) if pack else (_ld(q), _ld(dout), _ld(k))
     for b in range(batch):
         for h in range(heads):
+            if pack:
+                q_at = _pack(q, b, h, packed, 0)
+                do_at = _pack(dout, b, h, packed, s_q * d_h)
+                k_at = _pack(k, b, h, packed, s_q * (d_h + d_v))
+            else:
+                q_at, do_at, k_at = _at(q, b, h, 0), _at(dout, b, h, 0), _at(k, b, h, 0)
             for j0 in range(0, s_k, block):
                 j1 = min(j0 + block, s_k)
                 bk = j1 - j0
@@ -834,21 +855,19 @@ def tiled_backward_share(dout, q, k, v, lse, delta, dq, dk, dv, causal, scale, b
                     bq = i1 - i0
                     p = probs[:bq * bk].reshape((1, 1, bq, bk))
                     dp = dscores[:bq * bk].reshape((1, 1, bq, bk))
-                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_h, _at(q, b, h, i0), ld_q,
+                    q_i, do_i = q_at + i0 * ld_q * size, do_at + i0 * ld_do * size
+                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_h, q_i, ld_q,
                              kj_t.ctypes.data, bk, False, p.ctypes.data, bk, size, counted)
-                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_v, _at(dout, b, h, i0),
-                             ld_do, vj_t.ctypes.data, bk, False, dp.ctypes.data, bk, size,
-                             counted)
+                    _product(function, NO_TRANS, NO_TRANS, bq, bk, d_v, do_i, ld_do,
+                             vj_t.ctypes.data, bk, False, dp.ctypes.data, bk, size, counted)
                     shift = i0 + offset - j0 if causal else bk
                     attention_backward_block(p, dp, lse[b:b + 1, h:h + 1, i0:i1],
                                              delta[b:b + 1, h:h + 1, i0:i1], scale, shift)
                     later = i0 != first
                     _product(function, TRANS, NO_TRANS, bk, d_v, bq, p.ctypes.data, bk,  # p^T do
-                             _at(dout, b, h, i0), ld_do, later, _at(dv, b, h, j0), ld_dv,
-                             size, counted)
+                             do_i, ld_do, later, _at(dv, b, h, j0), ld_dv, size, counted)
                     _product(function, TRANS, NO_TRANS, bk, d_h, bq, dp.ctypes.data, bk,  # dZ^T q
-                             _at(q, b, h, i0), ld_q, later, _at(dk, b, h, j0), ld_dk, size,
-                             counted)
+                             q_i, ld_q, later, _at(dk, b, h, j0), ld_dk, size, counted)
                     _product(function, NO_TRANS, NO_TRANS, bq, d_h, bk, dp.ctypes.data, bk,
-                             _at(k, b, h, j0), ld_k, j0 != 0, _at(dq, b, h, i0), ld_dq,  # dZ k
-                             size, counted)
+                             k_at + j0 * ld_k * size, ld_k, j0 != 0, _at(dq, b, h, i0), ld_dq,
+                             size, counted)                                          # dZ k

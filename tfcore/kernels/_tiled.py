@@ -8,7 +8,8 @@ lse [B, H, S_q] = log sum_j exp(scale * q_i k_j) over the keys query i sees (the
 log-sum-exp of the scaled scores). Causal: query i sees key j when j <= i + S_k - S_q, as in
 tfcore.functional.attention_forward. q, k, v, dout and out need only have their rows apart
 (rows_apart): the [B, H, S, D_h] views of a fused qkv projection [B, S, 3, H, D_h] are read
-as they lie, with their row stride, as BLAS reads a matrix.
+as they lie, with their row stride, as BLAS reads a matrix (except by the compiled backward
+of a long sequence, which packs each head's rows first: see PACK_FROM).
 
 The forward takes the queries in blocks of BLOCK rows; each meets the keys it sees in blocks
 of up to SPAN columns, and keeps, per query row, the running maximum m, the running sum l of
@@ -59,6 +60,10 @@ SPAN = 1024
 # [BACKWARD_SPAN, BLOCK] stay in the core's cache between the five products that read them
 # (against 256, the backward of a 1024-2048-token step ran 3-18% faster, float64 most)
 BACKWARD_SPAN = 128
+# from this many queries on, the compiled backward reads each head's q, dout and k packed
+# into contiguous rows (_numba._pack): per call, 1.27 times faster at S = 2048, 1.16 at
+# 1024, 1.03 at 256 (float32, the heads of a fused projection); slower below 256
+PACK_FROM = 256
 SCRATCH = 2 ** 17   # the most elements of one scratch block of scores: batch rows at a time
 _LABEL = "tiled attention"
 # True: each share's loops run compiled, in one call without Python's lock (where the BLAS
@@ -210,8 +215,10 @@ def _backward_part(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
                                   q.dtype.type(scale), block, span,
                                   np.empty(rows * cols, dtype=q.dtype),
                                   np.empty(rows * cols, dtype=q.dtype),
-                                  np.empty(cols * (d_h + v.shape[3]), dtype=q.dtype), function,
-                                  counted)
+                                  np.empty(cols * (d_h + v.shape[3]), dtype=q.dtype),
+                                  np.empty(s_q * (d_h + v.shape[3]) + k.shape[2] * d_h
+                                           if _worth_packing(q, dout, k) else 0,
+                                           dtype=q.dtype), function, counted)
         record_products(_LABEL, *counted)
         return
     chunks, step = _batch_chunks(batch, heads * rows * cols)
@@ -259,6 +266,13 @@ def _backward_rows(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, block, sp
             _accumulate(np.swapaxes(p, -1, -2), doi, dvj, i0 == first, product)   # p^T dout
             _accumulate(np.swapaxes(dp, -1, -2), qi, dkj, i0 == first, product)   # dZ^T q
             _accumulate(dp, kj, dq[:, :, i0:i1], j0 == 0, product)               # dZ k
+
+
+def _worth_packing(*arrays) -> bool:
+    """Whether the compiled backward should read each head's rows packed (see PACK_FROM):
+    from PACK_FROM queries on, where some rows lie apart rather than one after the other."""
+    return arrays[0].shape[2] >= PACK_FROM and any(
+        x.shape[2] > 1 and x.strides[2] != x.shape[3] * x.itemsize for x in arrays)
 
 
 def _row_dots(dout, out):
