@@ -118,6 +118,38 @@ def test_a_saved_table_prints_and_says_why_a_ratio_is_missing(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == text
 
 
+def _scaling_row(threads, seq, attention, ms, torch_ms, mib, torch_mib):
+    side = dict(ms=ms, clean=7, dropped=0, rss_bytes=mib * 2**20, load_max=0.0)
+    return dict(threads=threads, config=f"s{seq}", dtype="float32", seq=seq, batch=2048 // seq,
+                attention_tfcore=attention, tfcore=side, ratio=ms / torch_ms,
+                memory_ratio=mib / torch_mib,
+                torch=dict(side, ms=torch_ms, rss_bytes=torch_mib * 2**20))
+
+
+def test_a_saved_scaling_table_prints_each_s_with_both_attentions(tmp_path):
+    """--scaling's table: one line per (threads, dtype, S) with tfcore dense and tiled and
+    PyTorch, each ratio from its own run; --show prints a saved one the same way."""
+    rows = [_scaling_row(1, s, a, ms, 100.0, mib, 120.0)
+            for s, dense_ms, dense_mib in ((256, 110.0, 130.0), (2048, 190.0, 280.0))
+            for a, ms, mib in (("dense", dense_ms, dense_mib), ("tiled", 95.0, 115.0))]
+    results = dict(meta=dict(command="python -m tfcore.bench --scaling", date="d", cpu="c",
+                             cpus=2, numpy="2", torch="2.13.0", kernels="on", max_load=0.1,
+                             torch_attention="sdpa", tfcore_attention="dense and tiled",
+                             peaks={"float32 1thr": 100.0}, scaling=True), rows=rows)
+    table = bench.scaling_rows(results)
+    assert [(r["seq"], r["batch"]) for r in table] == [(256, 8), (2048, 1)]
+    assert [round(r["dense"]["ratio"], 2) for r in table] == [1.1, 1.9]
+    assert [r["tiled"]["mib"] for r in table] == [115.0, 115.0]
+    text = bench.format_scaling(results)
+    assert "2048  1 |  190.0   95.0  100.0 |  1.90  0.95 |  280.0  115.0  120.0" in text
+    assert max(len(line) for line in text.splitlines()) <= 84
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(results))
+    out = subprocess.run([sys.executable, "-m", "tfcore.bench", "--show", str(path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == text
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--configs", "huge"], "invalid choice"),
     (["--dtypes", "float16"], "invalid choice"),
@@ -131,6 +163,9 @@ def test_a_saved_table_prints_and_says_why_a_ratio_is_missing(tmp_path):
     (["--show", "/no/such/file.json"], "not a saved benchmark table"),
     (["--torch-step", "/no/such/torch_step.py"], "--torch-step"),
     (["--profile", "--json", "r.json"], "--profile"),
+    (["--scaling", "--configs", "tiny"], "leave out --configs"),
+    (["--scaling", "--tfcore-attention", "dense"], "leave out --tfcore-attention"),
+    (["--scaling", "--no-torch"], "leave out --no-torch"),
     (["--frobnicate"], "unrecognized arguments"),
 ])
 def test_every_bad_argument_is_one_error_line_and_status_2(argv, words, capsys):
@@ -273,6 +308,46 @@ def test_the_readme_says_of_the_intel_table_and_of_both_what_they_hold():
                                   f"{max(r['ratio'] for r in both):.2f}")
     excess = max(r["tfcore"]["rss_bytes"] - r["torch"]["rss_bytes"] for r in both) / 2**20
     assert 0 < excess <= float(said.group(15))
+
+
+def test_the_readme_says_of_the_scaling_table_what_it_holds():
+    """The README's sentence on benchmarks/scaling-intel-xeon.json: the tiled step's memory
+    range and growth, that it stayed below PyTorch's, the dense step's memory, and the ranges
+    of both ratios are the stored table's."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    stored = json.loads((root / "benchmarks" / "scaling-intel-xeon.json").read_text())
+    text = " ".join((root / "README.md").read_text().split())
+    said = re.search(r"`benchmarks/scaling-intel-xeon\.json` .*? the same (\d+) tokens a step "
+                     r"with S = (\d+) to (\d+),.*?peak memory stayed within (\d+) MiB .*?\("
+                     r"(\d+)-(\d+) MiB in float32, below PyTorch's at every S and dtype\) where "
+                     r"the dense step's went from (\d+) to (\d+) MiB; the tiled step took "
+                     r"([\d.]+)-([\d.]+) times PyTorch's time \(([\d.]+)-([\d.]+) at S = "
+                     r"(\d+)\), the dense one ([\d.]+)-([\d.]+)\.", text)
+    assert said, "the README no longer describes benchmarks/scaling-intel-xeon.json"
+    assert stored["meta"]["scaling"]
+    rows = bench.scaling_rows(stored)
+    seqs = sorted(r["seq"] for r in rows)
+    assert {r["seq"] * r["batch"] for r in rows} == {int(said.group(1))}
+    assert (seqs[0], seqs[-1]) == (int(said.group(2)), int(said.group(3)))
+    one = sorted((r for r in rows if (r["threads"], r["dtype"]) == (1, "float32")),
+                 key=lambda r: r["seq"])
+    tiled = [r["tiled"]["mib"] for r in one]
+    assert max(tiled) - min(tiled) <= int(said.group(4))
+    assert said.group(5, 6) == (f"{tiled[0]:.0f}", f"{tiled[-1]:.0f}")
+    assert all(r["tiled"]["mib"] < r["torch"]["mib"] for r in rows)
+    assert said.group(7, 8) == (f"{one[0]['dense']['mib']:.0f}", f"{one[-1]['dense']['mib']:.0f}")
+
+    def spread(key, chosen):
+        values = [r[key]["ratio"] for r in chosen]
+        return f"{min(values):.2f}", f"{max(values):.2f}"
+
+    assert said.group(9, 10) == spread("tiled", rows)
+    longest = [r for r in rows if r["seq"] == int(said.group(13))]
+    assert said.group(11, 12) == spread("tiled", longest) and seqs[-1] == int(said.group(13))
+    assert said.group(14, 15) == spread("dense", rows)
 
 
 def test_the_pytorch_step_is_loaded_from_outside_the_package(tmp_path, monkeypatch):

@@ -6,11 +6,14 @@
     python -m tfcore.bench --no-torch                          # tfcore alone
     python -m tfcore.bench --torch-step PATH                   # PyTorch's step from PATH
     python -m tfcore.bench --show benchmarks/results.json      # print a saved table again
+    python -m tfcore.bench --scaling --dtypes float32          # time and memory against S
 
 Configurations: tiny, small and medium (1024 tokens a step, at S = 64, 128 and 256), and
 long and long2k (V 1024, D 256, L 2, H 4; S = 1024 and 2048 at the same 2048 tokens a step,
-where attention's S^2 terms dominate); run them with --tfcore-attention dense and tiled to see
-how time and memory grow with S. Each saved table records the machine it ran on (CPU model
+where attention's S^2 terms dominate). --scaling runs the scaling series instead: the long
+model at 2048 tokens a step with S = 256, 512, 1024, 2048 (s256, s512, long, long2k), each
+with tfcore's dense and tiled attention, both timed against PyTorch's fused attention, to
+show how step time and peak memory grow with S. Each saved table records the machine it ran on (CPU model
 and family/model numbers, NumPy's SIMD level, the BLAS with its core type, the versions):
 a table holds for that CPU only.
 
@@ -79,7 +82,12 @@ CONFIGS = {
     # long sequences at the same 2048 tokens a step: attention's S^2 dominates
     "long": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, seq=1024, batch=2),
     "long2k": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, seq=2048, batch=1),
+    # with long and long2k, the scaling series: the same model and 2048 tokens, S from 256
+    "s256": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, seq=256, batch=8),
+    "s512": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, seq=512, batch=4),
 }
+TABLE = ("tiny", "small", "medium", "long", "long2k")     # the table's rows (the default)
+SCALING = ("s256", "s512", "long", "long2k")               # --scaling: S = 256 ... 2048
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 DTYPES = ("float32", "float64")
 
@@ -425,62 +433,68 @@ def _timed_rounds(steps, meter, repeats, max_load, per_window, max_rounds, budge
     return sides
 
 
-def run_config(name, dtype, *, repeats=7, torch_step=None, peak=None, attention="sdpa",
-               warmup=2, max_load=0.1, min_window=0.5, meter=None, tiled=False, budget=300.0):
-    """Time the tfcore step (and PyTorch's, where `torch_step` is the module that
-    load_torch_step returned) of one configuration -> a dict (one table row)."""
+def run_attentions(name, dtype, tiled, *, repeats=7, torch_step=None, peak=None,
+                   attention="sdpa", warmup=2, max_load=0.1, min_window=0.5, meter=None,
+                   budget=300.0) -> list[dict]:
+    """Time a tfcore step for each of `tiled` (False: dense attention, True: tiled) and
+    PyTorch's, all alternated in one loop -> one row per tfcore step, each with the same
+    PyTorch side (so that the rows' ratios share one denominator)."""
     use_torch = torch_step is not None
-    cfg, batch, seq = decoder_config(name, dtype, tiled)
-    meter = meter or LoadMeter()
     rng = np.random.default_rng(1)
-    tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
-    ids, targets = tokens[:, :-1], tokens[:, 1:]
-    ours = TfcoreStep(cfg, ids, targets)
-    steps = [ours]
+    ours = []
+    for t in tiled:
+        cfg, batch, seq = decoder_config(name, dtype, t)
+        if not ours:
+            tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq + 1))
+            ids, targets = tokens[:, :-1], tokens[:, 1:]
+        ours.append(TfcoreStep(cfg, ids, targets))        # the same weights (seed 0) in each
+    steps = list(ours)
     loss_diff = None
     if use_torch:
-        theirs = torch_step.TorchStep(cfg, ours.model.params, ids, targets, attention)
-        a, b = ours.first_loss(), theirs.first_loss()
-        loss_diff = abs(a - b) / abs(b)
+        theirs = torch_step.TorchStep(cfg, ours[0].model.params, ids, targets, attention)
+        b = theirs.first_loss()
+        loss_diff = max(abs(step.first_loss() - b) / abs(b) for step in ours)
         bar = 1e-10 if dtype == "float64" else 1e-4
         if not loss_diff <= bar:
-            raise AssertionError(f"{name} {dtype}: losses disagree, tfcore {a} PyTorch {b}")
+            raise AssertionError(f"{name} {dtype}: losses disagree, tfcore "
+                                 f"{[step.first_loss() for step in ours]} PyTorch {b}")
         steps.append(theirs)
     for _ in range(warmup):
         for step in steps:
             step()
     start = time.perf_counter()
-    ours()
+    ours[0]()
     per_window = max(1, math.ceil(min_window / max(time.perf_counter() - start, 1e-6)))
-    sides = _timed_rounds(steps, meter, repeats, max_load, per_window, 3 * repeats, budget)
-    for library, side in zip(("tfcore", "torch"), sides):
-        side.rss = memory_of_step(name, dtype, library, attention, tiled,
-                                  torch_step.__file__ if use_torch else None)
-    useful = formula_flops(ours.model.num_parameters(), cfg, batch, seq)
-    row = dict(config=name, dtype=dtype, threads=None, batch=batch, seq=seq,
-               useful_flops=useful, matmul_flops_dense=step_flops(cfg, batch, seq),
-               peak_gflops=peak, steps_per_window=per_window, max_load=max_load,
-               repeats=repeats, loss_rel_diff=loss_diff,
-               attention_tfcore="tiled" if tiled else "dense",
-               attention_torch=attention if use_torch else None)
-    for label, side in zip(("tfcore", "torch"), sides):
-        enough = len(side.times) >= repeats
-        med = side.median if enough else None
-        row[label] = dict(ms=None if med is None else 1e3 * med, clean=len(side.times),
-                          dropped=side.dropped, rss_bytes=side.rss,
-                          load_max=max(side.loads) if side.loads else None,
-                          load_seen=_median_known(side.seen or []),
-                          pct_peak=(None if med is None or not peak
-                                    else 100 * useful / med / 1e9 / peak))
-    if use_torch and row["tfcore"]["ms"] and row["torch"]["ms"]:
-        row["ratio"] = row["tfcore"]["ms"] / row["torch"]["ms"]
-    else:
-        row["ratio"] = None
-    if use_torch and row["tfcore"]["rss_bytes"] and row["torch"]["rss_bytes"]:
-        row["memory_ratio"] = row["tfcore"]["rss_bytes"] / row["torch"]["rss_bytes"]
-    else:
-        row["memory_ratio"] = None
-    return row
+    sides = _timed_rounds(steps, meter or LoadMeter(), repeats, max_load, per_window,
+                          3 * repeats, budget * len(steps) / 2)
+    torch_side = sides[-1] if use_torch else Side([], 0, [])
+    if use_torch:
+        torch_side.rss = memory_of_step(name, dtype, "torch", attention, tiled[0],
+                                        torch_step.__file__)
+    useful = formula_flops(ours[0].model.num_parameters(), cfg, batch, seq)
+    rows = []
+    for t, side in zip(tiled, sides):
+        side.rss = memory_of_step(name, dtype, "tfcore", attention, t)
+        row = dict(config=name, dtype=dtype, threads=None, batch=batch, seq=seq,
+                   useful_flops=useful, matmul_flops_dense=step_flops(cfg, batch, seq),
+                   peak_gflops=peak, steps_per_window=per_window, max_load=max_load,
+                   repeats=repeats, loss_rel_diff=loss_diff,
+                   attention_tfcore="tiled" if t else "dense",
+                   attention_torch=attention if use_torch else None)
+        for label, one in (("tfcore", side), ("torch", torch_side)):
+            med = one.median if len(one.times) >= repeats else None
+            row[label] = dict(ms=None if med is None else 1e3 * med, clean=len(one.times),
+                              dropped=one.dropped, rss_bytes=one.rss,
+                              load_max=max(one.loads) if one.loads else None,
+                              load_seen=_median_known(one.seen or []),
+                              pct_peak=(None if med is None or not peak
+                                        else 100 * useful / med / 1e9 / peak))
+        t_ms, p_ms = row["tfcore"]["ms"], row["torch"]["ms"]
+        row["ratio"] = t_ms / p_ms if use_torch and t_ms and p_ms else None
+        t_rss, p_rss = row["tfcore"]["rss_bytes"], row["torch"]["rss_bytes"]
+        row["memory_ratio"] = t_rss / p_rss if use_torch and t_rss and p_rss else None
+        rows.append(row)
+    return rows
 
 
 # -- the table -----------------------------------------------------------------------------
@@ -489,9 +503,8 @@ def _f(x, fmt, width):
     return ("-" if x is None else format(x, fmt)).rjust(width)
 
 
-def format_table(results: dict) -> str:
-    """The benchmark's table (what `--json` saved) as one block of text, 84 columns wide."""
-    meta = results["meta"]
+def _table_head(meta: dict) -> list[str]:
+    """What every saved table says first: its command, date, machine, load bar and peaks."""
     lines = [f"{meta['command']}",
              f"{meta['date']}  {meta['cpu']}"
              + (f" ({meta['cpu_id']})" if "cpu_id" in meta else "")
@@ -503,8 +516,13 @@ def format_table(results: dict) -> str:
              f" in tfcore, {meta['torch_attention']} in PyTorch",
              "GEMM peak GFLOP/s: " + ", ".join(
                  f"{k} {v:.0f}" + (" (busy)" if k in meta.get("busy_peaks", ()) else "")
-                 for k, v in meta["peaks"].items()),
-             "thr config dtype  tfcore ms  torch ms ratio %peak tf/pt   MiB tf/pt"
+                 for k, v in meta["peaks"].items())]
+    return [part for line in lines for part in textwrap.wrap(line, 84)]
+
+
+def format_table(results: dict) -> str:
+    """The benchmark's table (what `--json` saved) as one block of text, 84 columns wide."""
+    lines = ["thr config dtype  tfcore ms  torch ms ratio %peak tf/pt   MiB tf/pt"
              "  clean tf/pt  load"]
     refused = []
     for r in results["rows"]:
@@ -523,8 +541,52 @@ def format_table(results: dict) -> str:
     if refused:
         lines += textwrap.wrap("no ratio (fewer than --repeats clean windows: the machine was "
                                "busy): " + "; ".join(refused), 84)
-    head = [part for line in lines[:4] for part in textwrap.wrap(line, 84)]
-    return "\n".join(head + lines[4:])
+    return "\n".join(_table_head(results["meta"]) + lines)
+
+
+def scaling_rows(results: dict) -> list[dict]:
+    """The --scaling table's rows, one per (threads, dtype, config): S, B and, for tfcore's
+    dense and tiled attention and for PyTorch's, ms per step, peak MiB and the ratio to
+    PyTorch (the three steps alternated in one loop: one PyTorch time for both ratios)."""
+    rows = {}
+    for r in results["rows"]:
+        key = (r["threads"], r["dtype"], r["seq"])
+        rows.setdefault(key, dict(threads=r["threads"], dtype=r["dtype"], seq=r["seq"],
+                                  batch=r["batch"], config=r["config"]))[
+            r["attention_tfcore"]] = r
+    table = []
+    for row in rows.values():
+        dense, tiled = row.pop("dense", None), row.pop("tiled", None)
+        torch = (tiled or dense or {}).get("torch") or {}
+        for label, r in (("dense", dense), ("tiled", tiled)):
+            r = r or dict(tfcore={}, ratio=None, memory_ratio=None)
+            row[label] = dict(ms=r["tfcore"].get("ms"), mib=_mib(r["tfcore"].get("rss_bytes")),
+                              ratio=r["ratio"], memory_ratio=r["memory_ratio"])
+        row["torch"] = dict(ms=torch.get("ms"), mib=_mib(torch.get("rss_bytes")))
+        table.append(row)
+    return table
+
+
+def format_scaling(results: dict) -> str:
+    """The --scaling table (what `--scaling --json` saved) as one block of text: step time,
+    ratio to PyTorch and peak memory against S, at the same tokens a step."""
+    lines = [f"{'':19s} |{'ms per step':^21s} |{'/ PyTorch':^12s} |{'peak MiB':^21s}",
+             f"{'thr':>3s} {'dtype':7s}{'S':>5s}{'B':>3s} |{'dense':>7s}{'tiled':>7s}"
+             f"{'torch':>7s} |{'dense':>6s}{'tiled':>6s} |{'dense':>7s}{'tiled':>7s}"
+             f"{'torch':>7s}"]
+    refused = []
+    for r in scaling_rows(results):
+        d, t, p = r["dense"], r["tiled"], r["torch"]
+        lines.append(f"{r['threads']:3d} {r['dtype']:7s}{r['seq']:5d}{r['batch']:3d} |"
+                     f"{_f(d['ms'], '.1f', 7)}{_f(t['ms'], '.1f', 7)}{_f(p['ms'], '.1f', 7)} |"
+                     f"{_f(d['ratio'], '.2f', 6)}{_f(t['ratio'], '.2f', 6)} |"
+                     f"{_f(d['mib'], '.1f', 7)}{_f(t['mib'], '.1f', 7)}{_f(p['mib'], '.1f', 7)}")
+        if p["ms"] is not None and None in (d["ratio"], t["ratio"]):
+            refused.append(f"{r['threads']} thr S={r['seq']} {r['dtype']}")
+    if refused:
+        lines += textwrap.wrap("a ratio is missing (fewer than --repeats clean windows: the "
+                               "machine was busy): " + "; ".join(refused), 84)
+    return "\n".join(_table_head(results["meta"]) + lines)
 
 
 def _mib(n):
@@ -757,7 +819,8 @@ def _non_negative(text):
 def parse_args(argv=None):
     parser = _Parser(prog="python -m tfcore.bench", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                        help=f"configurations to run (default: {' '.join(TABLE)})")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--threads", nargs="+", type=_positive(int, "--threads"),
                         default=[1, 2], help="thread counts to run at (default: 1 2)")
@@ -776,11 +839,14 @@ def parse_args(argv=None):
     parser.add_argument("--torch-attention", choices=["sdpa", "math"], default="sdpa",
                         help="PyTorch's scaled_dot_product_attention (default) or "
                              "softmax(QK^T)V written out")
-    parser.add_argument("--tfcore-attention", choices=["dense", "tiled"], default="tiled",
+    parser.add_argument("--tfcore-attention", choices=["dense", "tiled"],
                         help="tfcore's decoder with attention='tiled' (default: online "
                              "softmax, the fused kernel, as PyTorch's default is its fused "
                              "attention) or dense (the [B, H, S, S] scores kept)")
     parser.add_argument("--profile", action="store_true", help="op-by-op profile of tfcore")
+    parser.add_argument("--scaling", action="store_true",
+                        help="time and memory against S: the scaling series "
+                             f"({', '.join(SCALING)}), tfcore dense and tiled against PyTorch")
     parser.add_argument("--json", metavar="PATH", help="also save the table as JSON here")
     parser.add_argument("--show", metavar="PATH", help="print a saved table and exit")
     args = parser.parse_args(argv)
@@ -799,13 +865,23 @@ def parse_args(argv=None):
         parser.error(f"--torch-step: {args.torch_step} is not a file")
     if args.profile and args.json:
         parser.error("--profile prints a profile, not a table: leave out --json")
+    if args.scaling:
+        for given, flag in ((args.configs, "--configs"), (args.tfcore_attention,
+                            "--tfcore-attention"), (args.profile, "--profile"),
+                            (args.no_torch, "--no-torch")):
+            if given:
+                parser.error(f"--scaling runs its own series ({' '.join(SCALING)}) with both "
+                             f"attentions against PyTorch: leave out {flag}")
+    args.configs = args.configs or list(SCALING if args.scaling else TABLE)
+    args.tfcore_attention = args.tfcore_attention or "tiled"
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.show:
-        print(format_table(args.shown))
+        print((format_scaling if args.shown["meta"].get("scaling") else format_table)(
+            args.shown))
         return 0
     backend.set_backend("numpy")
     kernels.keep_freed_memory()         # for both libraries: this process times them alike
@@ -819,14 +895,14 @@ def main(argv=None):
         print(f"kernels on (Numba): warm-up {kernels.warm_up(args.dtypes):.1f} s")
     else:
         print("kernels off: the reference array-API path")
-    tiled = args.tfcore_attention == "tiled"
+    attentions = (False, True) if args.scaling else (args.tfcore_attention == "tiled",)
     meta = dict(command="python -m tfcore.bench " + " ".join(
                     sys.argv[1:] if argv is None else argv),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **machine(),
                 torch=torch_step.torch_version if use_torch else None,
                 kernels="on" if kernels.enabled() else "off", max_load=args.max_load,
-                torch_attention=args.torch_attention, tfcore_attention=args.tfcore_attention,
-                peaks={})
+                torch_attention=args.torch_attention, peaks={}, scaling=args.scaling,
+                tfcore_attention="dense and tiled" if args.scaling else args.tfcore_attention)
     rows = []
     meter = LoadMeter()
     for threads in args.threads:
@@ -842,27 +918,30 @@ def main(argv=None):
         for name in args.configs:
             for dtype in args.dtypes:
                 if args.profile:
-                    print(profile(name, dtype, tiled=tiled), flush=True)
+                    print(profile(name, dtype, tiled=attentions[0]), flush=True)
                     continue
-                row = run_config(name, dtype, repeats=args.repeats, torch_step=torch_step,
-                                 peak=meta["peaks"][f"{dtype} {threads}thr"],
-                                 attention=args.torch_attention, max_load=args.max_load,
-                                 min_window=args.min_window, meter=meter, tiled=tiled,
-                                 budget=args.budget)
-                row["threads"] = threads
-                rows.append(row)
-                t = row["tfcore"]
-                seen = t["load_seen"]
-                print(f"  {name} {dtype}: tfcore {t['clean']} clean, {t['dropped']} dropped"
-                      + (f"; PyTorch {row['torch']['clean']} clean, "
-                         f"{row['torch']['dropped']} dropped" if use_torch else "")
-                      + ("" if seen is None else
-                         f"; other processes used {seen:.2f} CPU (median)"), flush=True)
+                for row in run_attentions(name, dtype, attentions, repeats=args.repeats,
+                                          torch_step=torch_step,
+                                          peak=meta["peaks"][f"{dtype} {threads}thr"],
+                                          attention=args.torch_attention,
+                                          max_load=args.max_load, min_window=args.min_window,
+                                          meter=meter, budget=args.budget):
+                    row["threads"] = threads
+                    rows.append(row)
+                    t = row["tfcore"]
+                    seen = t["load_seen"]
+                    print(f"  {name} {dtype}"
+                          + (f" ({row['attention_tfcore']})" if args.scaling else "")
+                          + f": tfcore {t['clean']} clean, {t['dropped']} dropped"
+                          + (f"; PyTorch {row['torch']['clean']} clean, "
+                             f"{row['torch']['dropped']} dropped" if use_torch else "")
+                          + ("" if seen is None else
+                             f"; other processes used {seen:.2f} CPU (median)"), flush=True)
         del limiter
     if args.profile:
         return 0
     results = dict(meta=meta, rows=rows)
-    print(format_table(results))
+    print((format_scaling if args.scaling else format_table)(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
