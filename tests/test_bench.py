@@ -302,7 +302,7 @@ def test_the_readme_says_of_the_intel_table_and_of_both_what_they_hold():
     assert list(said.group(7, 8, 9, 10)) == [f"{r:.2f}" for r in named]
     memory = [r["memory_ratio"] for r in intel["rows"]]
     assert max(memory) < 1
-    assert said.group(11, 12) == (f"{min(memory):.2f}", f"{max(memory):.2f}")
+    assert said.group(11, 12) == (f"{min(memory):.3f}", f"{max(memory):.3f}")
     both = amd["rows"] + intel["rows"]
     assert said.group(13, 14) == (f"{min(r['ratio'] for r in both):.2f}",
                                   f"{max(r['ratio'] for r in both):.2f}")
