@@ -151,6 +151,28 @@ def test_scatter_add_with_repeated_indices(rng):
 
 @pytest.mark.usefixtures("backend_name")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("width", [None, 5])
+def test_scatter_add_makes_numpys_additions_in_numpys_order(rng, dtype, width):
+    """Many repeats of few ids (an embedding's gradient): the bits of np.add.at, whose
+    additions go row by row in the order of `index`, on every backend and every run (on a
+    GPU, atomic adds would sum a row's repeats in whatever order the threads finish)."""
+    rows, n = 7, 3000
+    tail = () if width is None else (width,)
+    start = rng.standard_normal((rows,) + tail).astype(dtype)
+    index = rng.integers(-rows, rows, size=n)              # negative ids count from the end
+    values = (rng.standard_normal((n,) + tail) * 10.0 ** rng.integers(-3, 4, (n,) + tail))
+    values = values.astype(dtype)
+    expected = start.copy()
+    np.add.at(expected, index, values)
+    for _ in range(2):
+        out = backend.scatter_add(asarray(start.copy()), asarray(index, "int64"),
+                                  asarray(values))
+        assert dtype_name(out) == dtype
+        assert np.array_equal(to_numpy(out), expected)
+
+
+@pytest.mark.usefixtures("backend_name")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_erf(dtype):
     x = np.linspace(-3.0, 3.0, 13)
     out = backend.erf(asarray(x, dtype))

@@ -203,13 +203,59 @@ def scatter_add(target, index, values):
         np.add.at(target, index, values)
         return target
     if is_cupy(target):
-        import cupyx
-
-        cupyx.scatter_add(target, index, values)
-        return target
+        return _cupy_scatter_add(target, index, values)
     host = np.array(to_numpy(target))  # writable copy
     np.add.at(host, to_numpy(index), to_numpy(values))
     return namespace(target).asarray(host)
+
+
+_segment_add = None     # the CuPy kernel of _cupy_scatter_add, compiled on first use
+
+
+def _cupy_scatter_add(target, index, values):
+    """np.add.at(target, index, values) on the GPU, making NumPy's additions in NumPy's order:
+    target row r gets its values one after the other, in the order they come in `index`.
+    (cupyx.scatter_add adds with atomics, in whatever order the threads finish: a sum of
+    repeated ids, an embedding's gradient, then changed in its last bits from run to run.)
+    The values are grouped by row with a sort on (index, position); one GPU thread then
+    sums a row's group column by column."""
+    import cupy
+
+    global _segment_add
+    n = int(index.shape[0])
+    if n == 0 or target.size == 0:
+        return target
+    if not target.flags.c_contiguous:             # the kernel writes rows of width `width`
+        host = np.array(to_numpy(target))
+        np.add.at(host, to_numpy(index), to_numpy(values))
+        target[...] = cupy.asarray(host)
+        return target
+    if _segment_add is None:
+        _segment_add = cupy.ElementwiseKernel(
+            "raw T values, raw int64 starts, raw int64 ends, raw int64 rows, int64 width",
+            "raw T target",
+            """
+            const long long group = i / width, column = i - group * width;
+            const long long at = rows[group] * width + column;
+            T total = target[at];
+            for (long long r = starts[group]; r < ends[group]; ++r)
+                total += values[r * width + column];
+            target[at] = total;
+            """, "tfcore_segment_add")
+    rows_of = target.shape[0]
+    index = index.astype(cupy.int64, copy=False)
+    index = cupy.where(index < 0, index + rows_of, index)            # NumPy's negative ids
+    values = cupy.broadcast_to(cupy.asarray(values, dtype=target.dtype),
+                               (n,) + tuple(target.shape[1:]))
+    order = cupy.argsort(index * n + cupy.arange(n, dtype=cupy.int64))  # stable by position
+    ids = index[order]
+    starts = cupy.flatnonzero(cupy.concatenate((cupy.ones(1, dtype=bool), ids[1:] != ids[:-1])))
+    ends = cupy.concatenate((starts[1:], cupy.full(1, n, dtype=starts.dtype)))
+    width = target.size // rows_of
+    grouped = cupy.ascontiguousarray(values[order]).reshape(n, width)
+    _segment_add(grouped, starts.astype(cupy.int64), ends.astype(cupy.int64),
+                 ids[starts], width, target.reshape(rows_of, width), size=int(starts.size) * width)
+    return target
 
 
 # -- matmuls, counted ------------------------------------------------------------------------

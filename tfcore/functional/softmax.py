@@ -42,7 +42,10 @@ def _check_mask(mask, z):
         xp.broadcast_to(mask, tuple(z.shape))
     except ValueError as err:
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {tuple(z.shape)}") from err
-    if bool(xp.any(xp.all(mask == -math.inf, axis=-1))):
+    masked = mask == -math.inf
+    if mask.ndim:                        # a 0-d mask is one entry of every row (CuPy's all
+        masked = xp.all(masked, axis=-1)  # refuses axis=-1 on 0-d, where NumPy's takes it)
+    if bool(xp.any(masked)):
         raise ValueError("every row of the mask must keep at least one entry; a fully masked row has no softmax")
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import fields, is_dataclass, replace
 
+import array_api_compat
 import numpy as np
 
 INT64_BYTES = 8
@@ -263,7 +264,7 @@ def held_bytes(cache, exclude=()) -> int:
         elif is_dataclass(obj) and not isinstance(obj, type):
             for field in fields(obj):
                 visit(getattr(obj, field.name))
-        elif hasattr(obj, "__array_namespace__") and hasattr(obj, "shape"):
+        elif array_api_compat.is_array_api_obj(obj):    # NumPy, CuPy, array-api-strict
             root = _root(obj)
             if id(root) not in excluded:
                 roots[id(root)] = root
