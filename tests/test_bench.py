@@ -350,6 +350,29 @@ def test_the_readme_says_of_the_scaling_table_what_it_holds():
     assert said.group(14, 15) == spread("dense", rows)
 
 
+def test_the_readme_says_of_the_gpu_attention_table_what_it_holds():
+    """The README's sentence on benchmarks/attention-cupy-h100.txt: the GPU it names and the
+    smallest and largest tiled/dense ratio with their configurations are the stored run's."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    stored = (root / "benchmarks" / "attention-cupy-h100.txt").read_text()
+    text = " ".join((root / "README.md").read_text().split())
+    said = re.search(r"`benchmarks/attention-cupy-h100\.txt` \(`python "
+                     r"benchmarks/attention_backends\.py --backend cupy` on an NVIDIA (\w+)\).*?"
+                     r"the tiled step took ([\d.]+) \((\w+)\) to ([\d.]+) \(S = (\d+)\) times "
+                     r"the dense one's time", text)
+    assert said, "the README no longer describes benchmarks/attention-cupy-h100.txt"
+    assert f"NVIDIA {said.group(1)}" in stored and "backend cupy" in stored
+    rows = re.findall(r"^(\w+)\s+S=\s*(\d+) .*tiled/dense\s+([\d.]+)", stored, re.M)
+    assert len(rows) >= 6
+    low = min(rows, key=lambda r: float(r[2]))
+    high = max(rows, key=lambda r: float(r[2]))
+    assert (said.group(2), said.group(3)) == (low[2], low[0])
+    assert (said.group(4), said.group(5)) == (high[2], high[1])
+
+
 def test_the_pytorch_step_is_loaded_from_outside_the_package(tmp_path, monkeypatch):
     """tfcore imports no PyTorch code: the PyTorch side is benchmarks/torch_step.py of the
     checkout, loaded by file path. Without the file, or without torch (simulated here by
