@@ -13,9 +13,9 @@ long and long2k (V 1024, D 256, L 2, H 4; S = 1024 and 2048 at the same 2048 tok
 where attention's S^2 terms dominate). --scaling runs the scaling series instead: the long
 model at 2048 tokens a step with S = 256, 512, 1024, 2048 (s256, s512, long, long2k), each
 with tfcore's dense and tiled attention, both timed against PyTorch's fused attention, to
-show how step time and peak memory grow with S. Each saved table records the machine it ran on (CPU model
-and family/model numbers, NumPy's SIMD level, the BLAS with its core type, the versions):
-a table holds for that CPU only.
+show how step time and peak memory grow with S. Each saved table records the machine it ran
+on (CPU model and family/model numbers, NumPy's SIMD level, the BLAS with its core type, the
+versions): a table holds for that CPU only.
 
 A step is forward + backward + AdamW of a GPT-style DecoderLM (pre-LayerNorm, learned
 positions, tanh GELU, tied head), with each library's fused attention by default: tfcore's
