@@ -373,6 +373,31 @@ def test_the_readme_says_of_the_gpu_attention_table_what_it_holds():
     assert (said.group(4), said.group(5)) == (high[2], high[1])
 
 
+def test_the_readme_says_of_the_gpu_tile_sizes_what_they_hold():
+    """The README's sentence on benchmarks/attention-cupy-h100-blocks.txt: the tiled step's
+    range of tiled/dense ratios with 1024-wide tiles at S >= 1024, and the memory the pool
+    held at the longest S for each, are the stored run's."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    stored = (root / "benchmarks" / "attention-cupy-h100-blocks.txt").read_text()
+    text = " ".join((root / "README.md").read_text().split())
+    said = re.search(r"`attention_block_size=(\d+)` the tiled step took ([\d.]+) \(S = (\d+)\) "
+                     r"to ([\d.]+) \(S = (\d+)\) times the dense one's, for (\d+) MiB in CuPy's "
+                     r"memory pool at S = \d+ against the dense step's (\d+)\.", text)
+    assert said, "the README no longer describes benchmarks/attention-cupy-h100-blocks.txt"
+    rows = re.findall(r"^\w+\s+S=\s*(\d+) .*?dense\s+[\d.]+ \(\s*[\d.]+\) MiB\s+([\d.]+)\s+"
+                      r"tiled block\s+(\d+)\s+[\d.]+ \(\s*[\d.]+\) MiB\s+([\d.]+)\s+"
+                      r"tiled/dense\s+([\d.]+)", stored, re.M)
+    chosen = [r for r in rows if r[2] == said.group(1) and int(r[0]) >= 1024]
+    assert len(chosen) >= 3
+    low, high = chosen[0], chosen[-1]
+    assert (said.group(2), said.group(3)) == (low[4], low[0])
+    assert (said.group(4), said.group(5)) == (high[4], high[0])
+    assert said.group(6, 7) == (f"{float(high[3]):.0f}", f"{float(high[1]):.0f}")
+
+
 def test_the_pytorch_step_is_loaded_from_outside_the_package(tmp_path, monkeypatch):
     """tfcore imports no PyTorch code: the PyTorch side is benchmarks/torch_step.py of the
     checkout, loaded by file path. Without the file, or without torch (simulated here by
