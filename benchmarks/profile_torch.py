@@ -50,7 +50,6 @@ def tfcore_groups(name, dtype, steps):
 
 
 def torch_groups(torch_step, name, dtype, steps):
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cfg, batch, seq = bench.decoder_config(name, dtype, True)
@@ -91,7 +90,6 @@ def torch_groups(torch_step, name, dtype, steps):
             group = next((g for key, g in TORCH_GROUPS if key in event.name), "other")
         groups[group] += event.self_cpu_time_total / 1e3 / steps
     groups["other"] += total - sum(groups.values())     # Python between the ops
-    del torch
     return total, groups
 
 

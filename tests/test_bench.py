@@ -9,13 +9,32 @@ never guaranteed quiet.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from tfcore import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _benchmark(name: str) -> str:
+    """The text of benchmarks/<name>, a stored run."""
+    return (ROOT / "benchmarks" / name).read_text()
+
+
+def _readme_says(pattern: str, name: str):
+    """The README's sentence (its whitespace folded) on benchmarks/<name>, matched by
+    `pattern` -> the match; the test fails, naming the file, where the README no longer
+    says it."""
+    said = re.search(pattern, " ".join((ROOT / "README.md").read_text().split()))
+    assert said, f"the README no longer describes benchmarks/{name}"
+    return said
+
 
 pytestmark = pytest.mark.skipif(bench.machine_busy_seconds() is None,
                                 reason="needs /proc/stat (Linux)")
@@ -246,17 +265,11 @@ def test_a_table_records_the_machine_it_ran_on():
 def test_the_readme_says_of_the_stored_table_what_it_holds():
     """The README's sentence on benchmarks/results.json: the CPU it names, each float32 ratio,
     the float64 range and medium's share of the peak are the stored table's, rounded."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    stored = json.loads((root / "benchmarks" / "results.json").read_text())
-    text = " ".join((root / "README.md").read_text().split())
-    said = re.search(r"`benchmarks/results\.json` holds one run on a quiet 2-core (\w+ \w+)"
-                     r".*?float32 tiny ([\d.]+) \(one thread\) and ([\d.]+) \(two\), small "
-                     r"([\d.]+) and ([\d.]+), medium ([\d.]+) and ([\d.]+) with (\d+)% and "
-                     r"(\d+)% of the GEMM peak.*?float64 ([\d.]+)-([\d.]+);", text)
-    assert said, "the README no longer describes benchmarks/results.json"
+    stored = json.loads(_benchmark("results.json"))
+    said = _readme_says(r"`benchmarks/results\.json` holds one run on a quiet 2-core (\w+ \w+)"
+                        r".*?float32 tiny ([\d.]+) \(one thread\) and ([\d.]+) \(two\), small "
+                        r"([\d.]+) and ([\d.]+), medium ([\d.]+) and ([\d.]+) with (\d+)% and "
+                        r"(\d+)% of the GEMM peak.*?float64 ([\d.]+)-([\d.]+);", "results.json")
     assert stored["meta"]["cpu"].startswith(said.group(1))
     row = {(r["threads"], r["config"], r["dtype"]): r for r in stored["rows"]}
     ratios = [f"{row[(t, c, 'float32')]['ratio']:.2f}"
@@ -273,22 +286,16 @@ def test_the_readme_says_of_the_intel_table_and_of_both_what_they_hold():
     CPUs: the CPU, the range of ratios, how many rows were at most 1.00, the two-thread rows
     it names, the range of the memory ratios (all below 1), the range over both tables and
     the memory margin are the stored tables'."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    amd = json.loads((root / "benchmarks" / "results.json").read_text())
-    intel = json.loads((root / "benchmarks" / "results-intel-xeon.json").read_text())
-    text = " ".join((root / "README.md").read_text().split())
-    said = re.search(r"`benchmarks/results-intel-xeon\.json` holds one run on a quiet 2-core "
-                     r"Intel Xeon \(family (\d+) model (\d+),.*?tfcore took ([\d.]+)-([\d.]+) "
-                     r"times PyTorch's time, at most 1\.00 \(rounded\) in (\d+) of the (\d+) "
-                     r"rows, .*?\(tiny float32 ([\d.]+), small ([\d.]+), long2k ([\d.]+) and "
-                     r"([\d.]+)\); its peak memory was below PyTorch's in every row "
-                     r"\(([\d.]+)-([\d.]+) of it\)\. What held on both CPUs is only that "
-                     r"tfcore's step took between ([\d.]+) and ([\d.]+) times .*?\(to within "
-                     r"([\d.]+) MiB at tiny\)", text)
-    assert said, "the README no longer describes benchmarks/results-intel-xeon.json"
+    amd = json.loads(_benchmark("results.json"))
+    intel = json.loads(_benchmark("results-intel-xeon.json"))
+    said = _readme_says(r"`benchmarks/results-intel-xeon\.json` holds one run on a quiet 2-core "
+                        r"Intel Xeon \(family (\d+) model (\d+),.*?tfcore took ([\d.]+)-([\d.]+) "
+                        r"times PyTorch's time, at most 1\.00 \(rounded\) in (\d+) of the (\d+) "
+                        r"rows, .*?\(tiny float32 ([\d.]+), small ([\d.]+), long2k ([\d.]+) and "
+                        r"([\d.]+)\); its peak memory was below PyTorch's in every row "
+                        r"\(([\d.]+)-([\d.]+) of it\)\. What held on both CPUs is only that "
+                        r"tfcore's step took between ([\d.]+) and ([\d.]+) times .*?\(to within "
+                        r"([\d.]+) MiB at tiny\)", "results-intel-xeon.json")
     meta = intel["meta"]
     assert meta["cpu"].startswith("Intel") and meta["cpu_id"].startswith(
         f"family {said.group(1)} model {said.group(2)} ")
@@ -314,19 +321,13 @@ def test_the_readme_says_of_the_scaling_table_what_it_holds():
     """The README's sentence on benchmarks/scaling-intel-xeon.json: the tiled step's memory
     range and growth, that it stayed below PyTorch's, the dense step's memory, and the ranges
     of both ratios are the stored table's."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    stored = json.loads((root / "benchmarks" / "scaling-intel-xeon.json").read_text())
-    text = " ".join((root / "README.md").read_text().split())
-    said = re.search(r"`benchmarks/scaling-intel-xeon\.json` .*? the same (\d+) tokens a step "
-                     r"with S = (\d+) to (\d+),.*?peak memory stayed within (\d+) MiB .*?\("
-                     r"(\d+)-(\d+) MiB in float32, below PyTorch's at every S and dtype\) where "
-                     r"the dense step's went from (\d+) to (\d+) MiB; the tiled step took "
-                     r"([\d.]+)-([\d.]+) times PyTorch's time \(([\d.]+)-([\d.]+) at S = "
-                     r"(\d+)\), the dense one ([\d.]+)-([\d.]+)\.", text)
-    assert said, "the README no longer describes benchmarks/scaling-intel-xeon.json"
+    stored = json.loads(_benchmark("scaling-intel-xeon.json"))
+    said = _readme_says(r"`benchmarks/scaling-intel-xeon\.json` .*? the same (\d+) tokens a step "
+                        r"with S = (\d+) to (\d+),.*?peak memory stayed within (\d+) MiB .*?\("
+                        r"(\d+)-(\d+) MiB in float32, below PyTorch's at every S and dtype\) where "
+                        r"the dense step's went from (\d+) to (\d+) MiB; the tiled step took "
+                        r"([\d.]+)-([\d.]+) times PyTorch's time \(([\d.]+)-([\d.]+) at S = "
+                        r"(\d+)\), the dense one ([\d.]+)-([\d.]+)\.", "scaling-intel-xeon.json")
     assert stored["meta"]["scaling"]
     rows = bench.scaling_rows(stored)
     seqs = sorted(r["seq"] for r in rows)
@@ -353,17 +354,11 @@ def test_the_readme_says_of_the_scaling_table_what_it_holds():
 def test_the_readme_says_of_the_gpu_attention_table_what_it_holds():
     """The README's sentence on benchmarks/attention-cupy-h100.txt: the GPU it names and the
     smallest and largest tiled/dense ratio with their configurations are the stored run's."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    stored = (root / "benchmarks" / "attention-cupy-h100.txt").read_text()
-    text = " ".join((root / "README.md").read_text().split())
-    said = re.search(r"`benchmarks/attention-cupy-h100\.txt` \(`python "
-                     r"benchmarks/attention_backends\.py --backend cupy` on an NVIDIA (\w+)\).*?"
-                     r"the tiled step took ([\d.]+) \((\w+)\) to ([\d.]+) \(S = (\d+)\) times "
-                     r"the dense one's time", text)
-    assert said, "the README no longer describes benchmarks/attention-cupy-h100.txt"
+    stored = _benchmark("attention-cupy-h100.txt")
+    said = _readme_says(r"`benchmarks/attention-cupy-h100\.txt` \(`python "
+                        r"benchmarks/attention_backends\.py --backend cupy` on an NVIDIA (\w+)\).*?"
+                        r"the tiled step took ([\d.]+) \((\w+)\) to ([\d.]+) \(S = (\d+)\) times "
+                        r"the dense one's time", "attention-cupy-h100.txt")
     assert f"NVIDIA {said.group(1)}" in stored and "backend cupy" in stored
     rows = re.findall(r"^(\w+)\s+S=\s*(\d+) .*tiled/dense\s+([\d.]+)", stored, re.M)
     assert len(rows) >= 6
@@ -377,16 +372,11 @@ def test_the_readme_says_of_the_gpu_tile_sizes_what_they_hold():
     """The README's sentence on benchmarks/attention-cupy-h100-blocks.txt: the tiled step's
     range of tiled/dense ratios with 1024-wide tiles at S >= 1024, and the memory the pool
     held at the longest S for each, are the stored run's."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    stored = (root / "benchmarks" / "attention-cupy-h100-blocks.txt").read_text()
-    text = " ".join((root / "README.md").read_text().split())
-    said = re.search(r"`attention_block_size=(\d+)` the tiled step took ([\d.]+) \(S = (\d+)\) "
-                     r"to ([\d.]+) \(S = (\d+)\) times the dense one's, for (\d+) MiB in CuPy's "
-                     r"memory pool at S = \d+ against the dense step's (\d+)\.", text)
-    assert said, "the README no longer describes benchmarks/attention-cupy-h100-blocks.txt"
+    stored = _benchmark("attention-cupy-h100-blocks.txt")
+    said = _readme_says(r"`attention_block_size=(\d+)` the tiled step took ([\d.]+) \(S = (\d+)\) "
+                        r"to ([\d.]+) \(S = (\d+)\) times the dense one's, for (\d+) MiB in CuPy's "
+                        r"memory pool at S = \d+ against the dense step's (\d+)\.",
+                        "attention-cupy-h100-blocks.txt")
     rows = re.findall(r"^\w+\s+S=\s*(\d+) .*?dense\s+[\d.]+ \(\s*[\d.]+\) MiB\s+([\d.]+)\s+"
                       r"tiled block\s+(\d+)\s+[\d.]+ \(\s*[\d.]+\) MiB\s+([\d.]+)\s+"
                       r"tiled/dense\s+([\d.]+)", stored, re.M)
@@ -402,10 +392,7 @@ def test_the_pytorch_step_is_loaded_from_outside_the_package(tmp_path, monkeypat
     """tfcore imports no PyTorch code: the PyTorch side is benchmarks/torch_step.py of the
     checkout, loaded by file path. Without the file, or without torch (simulated here by
     hiding the module), there is no PyTorch column and one line says why."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    assert Path(bench.TORCH_STEP) == root / "benchmarks" / "torch_step.py"
+    assert Path(bench.TORCH_STEP) == ROOT / "benchmarks" / "torch_step.py"
     assert Path(bench.TORCH_STEP).is_file()
     module, why = bench.load_torch_step(str(tmp_path / "absent.py"))
     assert module is None and "tfcore alone" in why and "absent.py" in why

@@ -559,9 +559,9 @@ def scaling_rows(results: dict) -> list[dict]:
         dense, tiled = row.pop("dense", None), row.pop("tiled", None)
         torch = (tiled or dense or {}).get("torch") or {}
         for label, r in (("dense", dense), ("tiled", tiled)):
-            r = r or dict(tfcore={}, ratio=None, memory_ratio=None)
+            r = r or dict(tfcore={}, ratio=None)
             row[label] = dict(ms=r["tfcore"].get("ms"), mib=_mib(r["tfcore"].get("rss_bytes")),
-                              ratio=r["ratio"], memory_ratio=r["memory_ratio"])
+                              ratio=r["ratio"])
         row["torch"] = dict(ms=torch.get("ms"), mib=_mib(torch.get("rss_bytes")))
         table.append(row)
     return table
